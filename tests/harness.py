@@ -1,0 +1,104 @@
+"""Run a function in N real gloo processes on CPU, with a hard timeout so a hang fails fast.
+
+Each worker gets the same environment torchrun would give it (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT, LOCAL_RANK ...), so code under test takes its production start-up path.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, "ok", fn(*args)))
+    except BaseException as err:  # report every failure, including SystemExit
+        queue.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
+    """fn(*args) in `world` processes; returns the per-rank results in rank order.
+
+    fn must be importable (module level) and its result picklable. It is responsible for
+    joining the process group (e.g. through threefold's runtime) or may use torch.distributed
+    init with env://."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors: list[str] = []
+    import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{world}-rank run of {fn.__name__} timed out after {timeout:.0f}s "
+                                   f"({len(results)} ranks finished)")
+            try:
+                rank, status, value = queue.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and queue.empty():
+                    raise RuntimeError(f"worker exited with code {dead[0].exitcode} without reporting")
+                continue
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}: {value}")
+        if errors:
+            raise AssertionError("\n".join(errors))
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+def run_training(overrides: dict, log_dir, cache_dir: str, timeout: float = 240.0) -> list[dict]:
+    """Train with threefold's own worker in as many processes as the layout needs; return the
+    per-step metrics that rank 0 wrote."""
+    import json
+    from pathlib import Path
+
+    from threefold.config import build_config
+    from threefold.train.worker import run_worker
+    from threefold.validate import validate
+
+    pairs = [(k, str(v)) for k, v in overrides.items()]
+    pairs += [("log.dir", str(log_dir)), ("data.cache_dir", cache_dir), ("log.quiet", "true")]
+    cfg = build_config(None, pairs)
+    p = cfg.parallel
+    world = max(1, p.dp) * p.tp * p.pp * p.cp
+    validate(cfg, world)
+    if world == 1:
+        run_worker(cfg.to_dict())
+    else:
+        run_ranks(run_worker, world, cfg.to_dict(), timeout=timeout)
+    lines = (Path(log_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def max_loss_delta(a: list[dict], b: list[dict]) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))

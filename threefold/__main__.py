@@ -1,0 +1,5 @@
+import sys
+
+from threefold.cli import main
+
+sys.exit(main())

@@ -1,0 +1,283 @@
+"""Typed run configuration: dataclass sections, model presets, TOML + command-line overrides.
+
+Every field carries a one-line doc (``knob(default, doc)``) that `threefold train --help-config`
+prints. Validation of cross-field rules lives in `threefold.validate`, in one place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from threefold.errors import ConfigError
+
+
+def knob(default: Any, doc: str, choices: tuple | None = None) -> Any:
+    """A config field with its one-line doc (and optional allowed values)."""
+    return field(default=default, metadata={"doc": doc, "choices": choices})
+
+
+@dataclass
+class ModelConfig:
+    """Transformer shape. `preset` fills every shape field the user did not set."""
+
+    preset: str = knob("tiny", "Named model size whose shape fills the other fields", None)
+    arch: str = knob("llama", "llama: RMSNorm/RoPE/SwiGLU/GQA; gpt2: LayerNorm/GeLU/learned positions", ("llama", "gpt2"))
+    hidden: int = knob(0, "Model width h (0 = from preset)")
+    layers: int = knob(0, "Number of transformer blocks (0 = from preset)")
+    heads: int = knob(0, "Attention (query) heads (0 = from preset)")
+    kv_heads: int = knob(0, "Key/value heads for grouped-query attention (0 = same as heads)")
+    ffn_hidden: int = knob(0, "MLP inner width (0 = from preset)")
+    vocab: int = knob(0, "Vocabulary size of embedding and head (0 = from preset)")
+    seq_len: int = knob(0, "Training sequence length (0 = from preset)")
+    norm_eps: float = knob(1e-5, "Epsilon of RMSNorm/LayerNorm")
+    rope_theta: float = knob(10000.0, "RoPE base frequency (llama)")
+    dropout: float = knob(0.0, "Dropout on attention/MLP outputs (0 keeps layouts bit-comparable)")
+    tie_embeddings: bool = knob(False, "Share the input embedding with the output head (gpt presets: true)")
+    init_std: float = knob(0.02, "Std of the normal init; output projections get std/sqrt(2*layers)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is spread over devices (DP x TP x PP, plus reserved EP/CP)."""
+
+    dp: int = knob(1, "Data-parallel degree (0 = fill the world under torchrun)")
+    tp: int = knob(1, "Tensor-parallel degree (kept inside a node)")
+    pp: int = knob(1, "Pipeline-parallel degree")
+    sp: bool = knob(False, "Sequence parallelism in the tensor-parallel group (needs tp > 1)")
+    zero: int = knob(0, "ZeRO stage 0-3: shard optimizer state / gradients / parameters over dp", (0, 1, 2, 3))
+    ep: int = knob(1, "Expert-parallel degree, carved out of dp")
+    cp: int = knob(1, "Context-parallel degree (reserved; must be 1)")
+    vpp: int = knob(1, "Virtual pipeline chunks per rank (interleaved schedule)")
+    schedule: str = knob("1f1b", "Pipeline schedule", ("gpipe", "1f1b", "interleaved", "zb"))
+    microbatches: int = knob(0, "Micro-batches per step per dp rank (0 = global_batch / (dp * micro_batch))")
+    order: str = knob("tp-cp-ep-dp-pp", "Rank order, fastest-varying first (tp first keeps TP groups on neighbouring ranks)")
+    devices_per_node: int = knob(0, "Devices per node for placement checks (0 = local world size)")
+    allow_tp_across_nodes: bool = knob(False, "Permit a tensor-parallel group to span nodes")
+    bucket_mb: float = knob(25.0, "Gradient bucket size in MB for data-parallel reduction")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    steps: int = knob(300, "Optimizer steps to run")
+    seed: int = knob(0, "Seed of initialization and data order (layout-invariant)")
+    global_batch: int = knob(16, "Sequences per optimizer step, over all data-parallel ranks")
+    micro_batch: int = knob(4, "Sequences per micro-batch per rank")
+    lr: float = knob(3e-3, "Peak learning rate")
+    min_lr_ratio: float = knob(0.1, "Final learning rate of the cosine decay, as a fraction of lr")
+    warmup_steps: int = knob(20, "Linear warm-up steps")
+    weight_decay: float = knob(0.1, "AdamW decoupled weight decay (not applied to norms and biases)")
+    beta1: float = knob(0.9, "AdamW beta1")
+    beta2: float = knob(0.95, "AdamW beta2")
+    grad_clip: float = knob(1.0, "Clip by global gradient norm (0 = off)")
+    dtype: str = knob("auto", "Compute dtype: auto = fp32 on CPU, bf16 on CUDA", ("auto", "fp32", "bf16"))
+    recompute: str = knob("none", "Activation recomputation", ("none", "selective", "full"))
+    device: str = knob("auto", "Device type: auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
+    threads: int = knob(1, "Intra-op threads per worker on CPU")
+    timeout_s: float = knob(300.0, "Collective timeout: a hung rank fails the job after this long")
+    max_restarts: int = knob(0, "Times the elastic agent restarts failed workers")
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    path: str = knob("", "Text file, directory of text files, or .bin tokens ('' = Python stdlib source)")
+    vocab: int = knob(0, "Vocabulary size of a pre-tokenized .bin file")
+    dtype: str = knob("uint16", "Element type of a .bin file", ("uint16", "uint32"))
+    cache_dir: str = knob("", "Token cache directory ('' = $THREEFOLD_CACHE or ~/.cache/threefold)")
+    prefetch: int = knob(2, "Batches prepared ahead by the background prefetcher (0 = inline)")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    dir: str = knob("", "Checkpoint directory ('' = no checkpoints)")
+    interval: int = knob(0, "Save every N steps (0 = only at the end when dir is set)")
+    resume: str = knob("", "'' = start fresh, 'auto' = newest complete checkpoint, or a path")
+
+
+@dataclass
+class LogConfig:
+    """Metrics and console output."""
+
+    dir: str = knob("runs/latest", "Run directory for metrics.jsonl and run.json")
+    interval: int = knob(10, "Print a status line every N steps when stdout is not a terminal")
+    quiet: bool = knob(False, "No per-step console output")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Config":
+        hints = typing.get_type_hints(cls)
+        return cls(**{name: hints[name](**values) for name, values in data.items()})
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
+
+# Shapes: tiny runs seconds-per-step tests on CPU; small is ~20M parameters; the rest are
+# the published reference sizes used for planning.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden=128, layers=4, heads=4, kv_heads=2, ffn_hidden=352, vocab=256, seq_len=128),
+    "small": dict(hidden=512, layers=6, heads=8, kv_heads=4, ffn_hidden=1408, vocab=256, seq_len=256),
+    "gpt-1.3b": dict(arch="gpt2", hidden=2048, layers=24, heads=16, kv_heads=16, ffn_hidden=8192,
+                     vocab=50304, seq_len=2048, tie_embeddings=True),
+    "gpt-175b": dict(arch="gpt2", hidden=12288, layers=96, heads=96, kv_heads=96, ffn_hidden=49152,
+                     vocab=51200, seq_len=2048, tie_embeddings=True),
+    "llama-7b": dict(hidden=4096, layers=32, heads=32, kv_heads=32, ffn_hidden=11008, vocab=32000, seq_len=4096),
+    "llama-70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, ffn_hidden=28672, vocab=32000,
+                      seq_len=4096, rope_theta=500000.0),
+}
+
+
+def apply_preset(model: ModelConfig) -> None:
+    """Fill shape fields left at their zero default from the named preset."""
+    if model.preset not in PRESETS:
+        raise ConfigError("model.preset", f"unknown preset {model.preset!r}", "valid: " + ", ".join(PRESETS))
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    for key, value in PRESETS[model.preset].items():
+        if getattr(model, key) == defaults[key]:
+            setattr(model, key, value)
+    if model.kv_heads == 0:
+        model.kv_heads = model.heads
+
+
+def field_doc(section: str, key: str) -> str:
+    f = _fields(section)[key]
+    return f.metadata.get("doc", "")
+
+
+def _fields(section: str) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(_section_type(section))}
+
+
+def _section_type(section: str) -> type:
+    return typing.get_type_hints(Config)[section]
+
+
+def _did_you_mean(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1)
+    return f"did you mean {close[0]!r}?" if close else "valid: " + ", ".join(options)
+
+
+def _coerce(key: str, f: dataclasses.Field, raw: Any) -> Any:
+    """Convert a TOML or command-line value to the field's type, with a one-line error."""
+    kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
+    try:
+        if kind is bool:
+            if isinstance(raw, bool):
+                value = raw
+            elif str(raw).lower() in ("1", "true", "yes", "on"):
+                value = True
+            elif str(raw).lower() in ("0", "false", "no", "off"):
+                value = False
+            else:
+                raise ValueError
+        elif kind is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            value = int(raw)
+        elif kind is float:
+            value = float(raw)
+        else:
+            value = str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(key, f"{raw!r} is not a valid {kind.__name__}") from None
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(key, f"{value!r} is not allowed", "valid: " + ", ".join(map(str, choices)))
+    return value
+
+
+def set_key(cfg: Config, dotted: str, raw: Any) -> None:
+    """Set `section.key` from a raw value, refusing unknown keys with a suggestion."""
+    if "." not in dotted:
+        raise ConfigError(dotted, "keys are written section.key", "sections: " + ", ".join(SECTIONS))
+    section, key = dotted.split(".", 1)
+    if section not in SECTIONS:
+        raise ConfigError(dotted, f"unknown section {section!r}", _did_you_mean(section, list(SECTIONS)))
+    fields = _fields(section)
+    if key not in fields:
+        full = [f"{section}.{k}" for k in fields]
+        hint = _did_you_mean(dotted, full + [f"{s}.{k}" for s in SECTIONS for k in _fields(s) if s != section])
+        raise ConfigError(dotted, "unknown key", hint)
+    setattr(getattr(cfg, section), key, _coerce(dotted, fields[key], raw))
+
+
+def load_toml(cfg: Config, path: str) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("--config", f"file {path} does not exist")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError("--config", f"{path} is not valid TOML: {err}") from None
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: {section}", "top-level entries must be [section] tables",
+                              "sections: " + ", ".join(SECTIONS))
+        for key, value in values.items():
+            set_key(cfg, f"{section}.{key}", value)
+
+
+def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
+    """`--section.key value` or `--section.key=value` pairs, in order."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(arg, "expected --section.key VALUE", "e.g. --parallel.tp 2 --train.steps 50")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(arg[2:], "missing value")
+            key, value = arg[2:], argv[i + 1]
+            i += 2
+        pairs.append((key, value))
+    return pairs
+
+
+def build_config(config_file: str | None, overrides: list[tuple[str, str]]) -> Config:
+    """Defaults <- TOML file <- command-line overrides <- preset shape for unset fields."""
+    cfg = Config()
+    if config_file:
+        load_toml(cfg, config_file)
+    for key, value in overrides:
+        set_key(cfg, key, value)
+    apply_preset(cfg.model)
+    return cfg
+
+
+def describe(section: str | None = None) -> str:
+    """Every key with its default and doc, for --help-config."""
+    lines = []
+    for s in SECTIONS if section is None else (section,):
+        lines.append(f"[{s}]")
+        for f in dataclasses.fields(_section_type(s)):
+            lines.append(f"  {s}.{f.name} = {f.default!r}  # {f.metadata.get('doc', '')}")
+    return "\n".join(lines)

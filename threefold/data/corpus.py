@@ -1,0 +1,227 @@
+"""Find a corpus, turn it into one flat token stream on disk, and memory-map it.
+
+Byte-level corpora (text files, or the Python stdlib by default) are tokenized once into a
+uint16 cache file; later runs, and every rank of a multi-process run, just map that file.
+Pre-tokenized `.bin` files are mapped directly and only checked against the vocabulary.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from threefold.data.tokenizer import ByteTokenizer
+from threefold.errors import ConfigError, DataError
+
+DTYPES = ("uint16", "uint32")
+_CACHE_FORMAT = 1  # bump when the cache layout changes, so stale caches are rebuilt
+_CHECK_CHUNK = 1 << 24  # tokens per chunk when scanning a .bin for its max id (64 MiB at u32)
+
+
+@dataclass
+class TokenFile:
+    """A memory-mapped, 1-D token stream and the vocabulary it was made for."""
+
+    tokens: np.memmap
+    vocab_size: int
+    source: str  # one line for logs: where the tokens came from
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def stdlib_source_files() -> list[Path]:
+    """Every `*.py` of this Python's standard library, without installed packages.
+
+    Sorted by relative path so that machines with the same Python build the same stream.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for f in root.rglob("*.py"):
+        rel = f.relative_to(root)
+        if "site-packages" in rel.parts or "dist-packages" in rel.parts:
+            continue
+        if f.is_file():
+            files.append((rel.as_posix(), f))
+    return [f for _, f in sorted(files)]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("THREEFOLD_CACHE") or Path.home() / ".cache" / "threefold")
+
+
+def load_tokens(path: str, vocab: int = 0, dtype: str = "uint16", cache_dir: str = "") -> TokenFile:
+    """Map the corpus at `path` ("" = stdlib sources; a `.bin` file = pre-tokenized ids).
+
+    `vocab` is the model's vocabulary: required for `.bin`, optional for byte-level corpora
+    (0 means 256; a larger value is allowed, e.g. padded for tensor parallelism).
+    """
+    if dtype not in DTYPES:
+        raise ConfigError("data.dtype", f"unknown token dtype {dtype!r}", "uint16 or uint32")
+    if vocab < 0:
+        raise ConfigError("data.vocab", f"must be >= 0, got {vocab}", "0 = tokenizer's own")
+    if path and path.endswith(".bin"):
+        return _load_bin(Path(path), vocab, dtype)
+
+    tok = ByteTokenizer()
+    if vocab and vocab < tok.vocab_size:
+        raise ConfigError("data.vocab", f"{vocab} is smaller than the byte tokenizer's "
+                          f"{tok.vocab_size} ids", "0 or >= 256 for a text corpus")
+    if path:
+        root = Path(path)
+        if not root.exists():
+            raise DataError(f"{root}: no such file or directory (data.path must be a text "
+                            "file, a directory of text files, a .bin token file, or empty "
+                            "for the Python stdlib)")
+        files = _text_files(root)
+        if not files:
+            what = "file is empty" if root.is_file() else "directory has no non-empty files"
+            raise DataError(f"{root}: {what} (data.path needs at least one non-empty "
+                            "UTF-8 text file)")
+        label = str(root)
+    else:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = [(f.relative_to(root).as_posix(), f) for f in stdlib_source_files()]
+        label = f"python stdlib {root}"
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    tokens, meta = _cached_byte_tokens(root, files, tok, cache)
+    source = (f"{label}: {meta['documents']} files, {meta['num_tokens']:,} byte tokens"
+              + (f", {meta['skipped']} binary/non-UTF-8 files skipped" if meta["skipped"] else ""))
+    return TokenFile(tokens, vocab or tok.vocab_size, source)
+
+
+def _load_bin(path: Path, vocab: int, dtype: str) -> TokenFile:
+    if not vocab:
+        raise ConfigError("data.vocab", f"must be set for the pre-tokenized file {path}",
+                          "the tokenizer's vocabulary size, > 0")
+    if not path.is_file():
+        raise DataError(f"{path}: no such token file (data.path ending in .bin must be a raw "
+                        f"{dtype} array of token ids)")
+    size, item = path.stat().st_size, np.dtype(dtype).itemsize
+    if size == 0:
+        raise DataError(f"{path}: token file is empty (expected a raw {dtype} array)")
+    if size % item:
+        raise DataError(f"{path}: size {size} bytes is not a multiple of {item} "
+                        f"(is data.dtype={dtype} right? valid: uint16, uint32)")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    # Scan in chunks: a multi-GB corpus must not be pulled into RAM just to be checked.
+    top = max(int(tokens[i:i + _CHECK_CHUNK].max()) for i in range(0, len(tokens), _CHECK_CHUNK))
+    if top >= vocab:
+        raise DataError(f"{path}: token id {top} found but data.vocab is {vocab} "
+                        f"(ids must be < vocab; wrong vocab or data.dtype={dtype}?)")
+    return TokenFile(tokens, vocab, f"{path}: {len(tokens):,} {dtype} tokens, vocab {vocab}")
+
+
+def _text_files(root: Path) -> list[tuple[str, Path]]:
+    """(relative path, path) of the files under `root`, sorted; hidden entries are skipped
+    so that e.g. a `.git` folder inside a text directory is not trained on."""
+    if root.is_file():
+        return [(root.name, root)] if root.stat().st_size else []
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            f = Path(dirpath) / name
+            if not name.startswith(".") and f.is_file() and f.stat().st_size:
+                out.append((f.relative_to(root).as_posix(), f))
+    return sorted(out)
+
+
+def _cache_key(root: Path, files: list[tuple[str, Path]], tok: ByteTokenizer) -> str:
+    # Size + mtime stand in for content: cheap to compute on every start, and any edit
+    # (or a different stdlib build) changes the key, so the cache can never go stale.
+    h = hashlib.sha1(f"{tok.name}\0{_CACHE_FORMAT}\0{root.resolve()}".encode())
+    for rel, f in files:
+        st = f.stat()
+        h.update(f"\0{rel}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:20]
+
+
+def _cached_byte_tokens(root, files, tok, cache: Path) -> tuple[np.memmap, dict]:
+    key = _cache_key(root, files, tok)
+    bin_path, meta_path = cache / f"tokens-{key}.bin", cache / f"tokens-{key}.json"
+    meta = _read_meta(meta_path, bin_path, key)
+    if meta is None:
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            meta = _build_cache(files, tok, bin_path, key)
+            _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+        except OSError as e:
+            raise DataError(f"{cache}: cannot write the token cache ({e.strerror}; set "
+                            "data.cache_dir or $THREEFOLD_CACHE to a writable directory)")
+    if meta["num_tokens"] == 0:
+        raise DataError(f"{root}: no UTF-8 text found ({meta['skipped']} binary or "
+                        "non-UTF-8 files skipped; data.path needs text files)")
+    return np.memmap(bin_path, dtype=np.uint16, mode="r"), meta
+
+
+def _read_meta(meta_path: Path, bin_path: Path, key: str) -> dict | None:
+    """The sidecar of a complete cache, or None. The sidecar is written after the token file,
+    so its presence (with a matching size) means the token file is whole."""
+    try:
+        meta = json.loads(meta_path.read_text())
+        ok = meta["key"] == key and bin_path.stat().st_size == 2 * meta["num_tokens"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return meta if ok else None
+
+
+def _build_cache(files, tok: ByteTokenizer, bin_path: Path, key: str) -> dict:
+    sep = np.array([tok.separator], dtype=np.uint16)
+    num_tokens = documents = skipped = 0
+
+    def write(fh):
+        nonlocal num_tokens, documents, skipped
+        for rel, f in files:
+            try:
+                data = f.read_bytes()
+            except OSError as e:
+                raise DataError(f"{f}: cannot read corpus file ({e.strerror})")
+            # NUL is our document separator, so a file containing it is binary to us.
+            if b"\0" in data or not _is_utf8(data):
+                skipped += 1
+                continue
+            if documents:
+                fh.write(sep.tobytes())
+                num_tokens += 1
+            fh.write(np.frombuffer(data, dtype=np.uint8).astype(np.uint16).tobytes())
+            num_tokens += len(data)
+            documents += 1
+
+    _atomic_write(bin_path, write)
+    return {"key": key, "format": _CACHE_FORMAT, "tokenizer": tok.name, "dtype": "uint16",
+            "num_tokens": num_tokens, "documents": documents, "skipped": skipped}
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _atomic_write(dest: Path, content) -> None:
+    """Write `content` (bytes, or a function writing to a binary file) so that readers only
+    ever see the old file or the complete new one: concurrent ranks building the same cache
+    each write a private temp file and the last os.replace wins with identical bytes."""
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache must be readable by all
+        with os.fdopen(fd, "wb") as fh:
+            if isinstance(content, bytes):
+                fh.write(content)
+            else:
+                content(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

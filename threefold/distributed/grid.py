@@ -1,0 +1,167 @@
+"""The layout grid: global rank <-> (tp, cp, ep, dp, pp) coordinates, and every process group.
+
+`RankLayout` is pure arithmetic (testable without processes), in the spirit of Megatron's
+RankGenerator: an order string such as ``tp-cp-ep-dp-pp`` lists the dimensions fastest-varying
+first, so with the default order a TP group is made of neighbouring ranks, i.e. inside one
+node / NVLink domain, and PP is the outermost dimension.
+
+Expert parallelism is carved out of data parallelism: the data-parallel degree is
+``ep * edp`` and the ``dp`` token in the order string stands for the expert-data-parallel
+remainder ``edp``. The full DP group (used for dense gradients) spans both ``ep`` and ``edp``.
+
+`Grid` adds the process groups, created once and passed explicitly: there is no module-level
+group state anywhere in threefold.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+import torch.distributed as dist
+
+from threefold.errors import ConfigError
+
+ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Sizes of each dimension and their order; all rank arithmetic, no communication."""
+
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1  # full data-parallel degree (includes ep)
+    pp: int = 1
+    order: str = "tp-cp-ep-dp-pp"
+
+    def __post_init__(self) -> None:
+        tokens = self.order.split("-")
+        if sorted(tokens) != sorted(ORDER_TOKENS):
+            raise ConfigError("parallel.order", f"{self.order!r} must name each of tp, cp, ep, dp, pp once",
+                              "e.g. tp-cp-ep-dp-pp")
+        if self.dp % self.ep:
+            raise ConfigError("parallel.ep", f"ep={self.ep} does not divide dp={self.dp}",
+                              "experts are carved out of data-parallel ranks: choose ep dividing dp")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def _sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp // self.ep, "pp": self.pp}
+
+    @property
+    def _strides(self) -> dict[str, int]:
+        strides, step = {}, 1
+        for token in self.order.split("-"):
+            strides[token] = step
+            step *= self._sizes[token]
+        return strides
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinates of `rank`; `dp` is the full data-parallel index (edp * ep + ep_index)."""
+        raw = {t: (rank // s) % self._sizes[t] for t, s in self._strides.items()}
+        return {"tp": raw["tp"], "cp": raw["cp"], "ep": raw["ep"], "edp": raw["dp"],
+                "dp": raw["dp"] * self.ep + raw["ep"], "pp": raw["pp"]}
+
+    def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        raw = {"tp": tp, "cp": cp, "ep": dp % self.ep, "dp": dp // self.ep, "pp": pp}
+        return sum(raw[t] * s for t, s in self._strides.items())
+
+    def groups(self, varying: tuple[str, ...]) -> list[list[int]]:
+        """All groups of ranks that differ only in the `varying` tokens ('dp' alone = edp)."""
+        sizes, strides = self._sizes, self._strides
+        fixed = [t for t in ORDER_TOKENS if t not in varying]
+        out = []
+        for base in itertools.product(*(range(sizes[t]) for t in fixed)):
+            start = sum(c * strides[t] for t, c in zip(fixed, base))
+            ranks = [start + sum(c * strides[t] for t, c in zip(varying, combo))
+                     for combo in itertools.product(*(range(sizes[t]) for t in varying))]
+            out.append(sorted(ranks))
+        return sorted(out)
+
+    # Named groups, each a list of rank lists. The full data-parallel group varies ep and edp.
+    def group_lists(self) -> dict[str, list[list[int]]]:
+        return {
+            "tp": self.groups(("tp",)),
+            "pp": self.groups(("pp",)),
+            "dp": self.groups(("ep", "dp")),
+            "cp": self.groups(("cp",)),
+            "ep": self.groups(("ep",)),
+            "edp": self.groups(("dp",)),
+            "dp_cp": self.groups(("cp", "ep", "dp")),
+            "mp": self.groups(("tp", "pp")),
+        }
+
+    def check_placement(self, devices_per_node: int, allow_tp_across_nodes: bool) -> None:
+        """Refuse a layout whose tensor-parallel groups leave the fast intra-node links."""
+        if devices_per_node <= 0 or allow_tp_across_nodes:
+            return
+        for ranks in self.groups(("tp",)):
+            if len({r // devices_per_node for r in ranks}) > 1:
+                raise ConfigError(
+                    "parallel.tp", f"tensor-parallel group {ranks} would span nodes of {devices_per_node} devices",
+                    "use tp <= devices per node with tp first in parallel.order, "
+                    "or set parallel.allow_tp_across_nodes true")
+
+
+@dataclass
+class Group:
+    """One process group as seen from this rank: its members, our index, the torch handle."""
+
+    name: str
+    ranks: list[int]
+    pg: dist.ProcessGroup | None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(dist.get_rank()) if self.pg is not None else 0
+
+
+class Grid:
+    """This rank's coordinates and process groups. Build once after init_process_group."""
+
+    def __init__(self, layout: RankLayout, rank: int, groups: dict[str, Group]):
+        self.layout, self.global_rank = layout, rank
+        c = layout.coords(rank)
+        self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = c["tp"], c["cp"], c["dp"], c["pp"]
+        self.ep_rank, self.edp_rank = c["ep"], c["edp"]
+        self._groups = groups
+        self.tp, self.pp, self.dp, self.cp = groups["tp"], groups["pp"], groups["dp"], groups["cp"]
+        self.ep, self.edp, self.dp_cp, self.mp = groups["ep"], groups["edp"], groups["dp_cp"], groups["mp"]
+        self.world = groups["world"]
+
+    @classmethod
+    def build(cls, layout: RankLayout) -> "Grid":
+        """Create every group (all ranks must call this, in the same order)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if layout.world_size != world:
+            raise ConfigError("parallel", f"dp*tp*pp*cp = {layout.world_size} but the world has {world} processes",
+                              "make the product of degrees equal the number of processes")
+        groups: dict[str, Group] = {"world": Group("world", list(range(world)), dist.group.WORLD)}
+        for name, lists in layout.group_lists().items():
+            for ranks in lists:
+                # new_group is collective over the whole world: every rank creates every group.
+                pg = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+                if rank in ranks:
+                    groups[name] = Group(name, ranks, pg)
+        return cls(layout, rank, groups)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    def describe(self) -> dict:
+        lay = self.layout
+        return {"world_size": lay.world_size, "tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp,
+                "pp": lay.pp, "order": lay.order,
+                "groups": {k: v for k, v in lay.group_lists().items() if k in ("tp", "pp", "dp", "ep")}}

@@ -1,0 +1,120 @@
+"""Transformer building blocks, written free of parallel plumbing.
+
+Activations are laid out [seq, batch, hidden] (as in Megatron): sequence parallelism shards
+dimension 0, which keeps the all-gather / reduce-scatter buffers contiguous.
+
+Tensor parallelism is applied afterwards by swapping the `nn.Linear`s for column/row-parallel
+ones; the code below therefore derives head counts from the projected tensors (``-1`` in the
+views) instead of from the config, so the same forward serves a shard of the heads.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even under bf16 autocast: the mean of squares loses precision.
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * self.weight.float()).to(x.dtype)
+
+
+def make_norm(cfg) -> nn.Module:
+    if cfg.arch == "gpt2":
+        return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+    return RMSNorm(cfg.hidden, cfg.norm_eps)
+
+
+@functools.lru_cache(maxsize=16)
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [seq, 1, 1, head_dim/2], computed in fp32 (cached per shape and device)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return (angles.cos().float().to(device)[:, None, None, :], angles.sin().float().to(device)[:, None, None, :])
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x: [seq, batch, heads, head_dim]."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class AttentionCore(nn.Module):
+    """softmax(QK^T/sqrt(d))V with a causal mask; its own module so selective recompute can wrap it."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [batch, heads, seq, hd]; k, v: [batch, kv_heads, seq, hd]
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        hd, bias = cfg.head_dim, cfg.arch == "gpt2"
+        self.head_dim, self.rope_theta = hd, cfg.rope_theta
+        self.use_rope = cfg.arch == "llama"
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * hd, bias=bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * hd, bias=bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * hd, bias=bias)
+        self.core = AttentionCore()
+        self.wo = nn.Linear(cfg.heads * hd, cfg.hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        s, b = q.shape[0], q.shape[1]
+        q, k, v = (t.view(s, b, -1, self.head_dim) for t in (q, k, v))
+        if self.use_rope:
+            cos, sin = rope_tables(s, self.head_dim, self.rope_theta, q.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(*(t.permute(1, 2, 0, 3) for t in (q, k, v)))  # -> [b, heads, s, hd]
+        return self.wo(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU (w2(silu(w1 x) * w3 x)) for llama, GeLU (w2(gelu(w1 x))) for gpt2."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.gated = cfg.arch == "llama"
+        bias = not self.gated
+        self.w1 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=bias)
+        self.w3 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False) if self.gated else None
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x)))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+def output_std(cfg) -> float:
+    """GPT-2's scaled init for projections that write into the residual stream."""
+    return cfg.init_std / math.sqrt(2 * cfg.layers)

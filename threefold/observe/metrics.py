@@ -1,0 +1,160 @@
+"""Run records on disk: metrics.jsonl (one JSON object per step) and run.json (what ran where).
+
+Only the rank that logs opens files (enabled=False makes every call a no-op), so the other
+ranks never touch the log directory.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import resource
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy
+import torch
+
+from threefold.observe.peak import cpu_model
+
+
+def _jsonable(value):
+    """json.dumps fallback: tensors and numpy scalars via .item(), paths and dtypes as text."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    if isinstance(value, (Path, torch.dtype, torch.device)):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _finite(value):
+    # NaN/inf are not JSON (json.dumps would write the bare tokens NaN/Infinity): null.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _dumps(obj, **kwargs) -> str:
+    # Round-trip through the fallback first so tensor scalars are floats before _finite.
+    plain = json.loads(json.dumps(obj, default=_jsonable))
+    return json.dumps(_finite(plain), allow_nan=False, **kwargs)
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to <log_dir>/metrics.jsonl, flushed per line so a
+    crash loses at most the line being written. Floats are written as-is, None and
+    non-finite floats (NaN, inf) as null."""
+
+    def __init__(self, log_dir: str | Path, enabled: bool):
+        self.enabled = enabled
+        self.path = Path(log_dir) / "metrics.jsonl"
+        self._file = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        if self._file is None:
+            return
+        self._file.write(_dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _total_ram_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def hardware_info(device: torch.device | str) -> dict:
+    """Host CPU model, logical cores and RAM; device type, name and count (+ memory on cuda)."""
+    device = torch.device(device)
+    info = {
+        "cpu_model": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "ram_bytes": _total_ram_bytes(),
+        "torch_threads": torch.get_num_threads(),
+        "device_type": device.type,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(device_name=props.name, device_count=torch.cuda.device_count(),
+                    device_memory_bytes=props.total_memory)
+    else:
+        info.update(device_name=info["cpu_model"] if device.type == "cpu" else device.type,
+                    device_count=1)
+    return info
+
+
+def _versions() -> dict:
+    try:
+        import threefold
+
+        version = getattr(threefold, "__version__", "unknown")
+    except ImportError:
+        version = "unknown"
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "numpy": numpy.__version__, "threefold": version}
+
+
+def write_run_json(log_dir: str | Path, config_dict: dict, layout: dict, extra: dict | None = None,
+                   device: torch.device | str | None = None) -> Path:
+    """Write <log_dir>/run.json: resolved config, versions, layout, hardware, start time.
+
+    `device` defaults to the current CUDA device when there is one, else the CPU.
+    Written to a temp file and renamed, so a reader never sees a partial file.
+    """
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    doc = {
+        "config": config_dict,
+        "versions": _versions(),
+        "layout": layout,
+        "hardware": hardware_info(device),
+        "start_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "extra": extra or {},
+    }
+    path = Path(log_dir) / "run.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="run.json", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(_dumps(doc, indent=2) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def peak_memory_bytes(device: torch.device | str) -> int:
+    """Peak memory in bytes. cuda: torch's peak allocated on that device (tensors only,
+    not the caching allocator's reserve). cpu: the whole process's peak resident set size
+    (ru_maxrss), which includes Python, torch and data, not just tensors."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is KiB on Linux but bytes on macOS.
+    return int(rss if sys.platform == "darwin" else rss * 1024)

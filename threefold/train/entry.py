@@ -1,0 +1,55 @@
+"""`threefold train`: validate, prepare shared state once, then run the workers."""
+from __future__ import annotations
+
+import os
+import sys
+
+from threefold.config import Config
+from threefold.distributed.runtime import under_launcher
+from threefold.validate import validate
+
+
+def _prepare_once(cfg: Config) -> None:
+    """Work that every worker would repeat: tokenize the corpus into the cache, measure the CPU peak.
+    Done before spawning so workers only memory-map the cache and read the cached peak."""
+    import torch
+
+    from threefold.observe import device_peak_flops
+    from threefold.train.loop import open_data, resolve_dtype
+
+    open_data(cfg)
+    device = torch.device("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        device_peak_flops(device, resolve_dtype(cfg.train.dtype, device), threads=cfg.train.threads,
+                          cache_dir=cfg.data.cache_dir)
+
+
+def run_train(cfg: Config) -> int:
+    from threefold.train.worker import run_worker
+
+    if under_launcher():
+        # Started by torchrun (multi-node, Slurm): this process is one worker.
+        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
+        run_worker(cfg.to_dict())
+        return 0
+    validate(cfg)
+    if cfg.train.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            from threefold.errors import ConfigError
+
+            raise ConfigError("train.device", "cuda was asked for but no CUDA device is visible", "valid: auto, cpu")
+    _prepare_once(cfg)
+    world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    if world == 1 and cfg.train.max_restarts == 0:
+        run_worker(cfg.to_dict())
+        return 0
+    from threefold.distributed.launch import WorkersFailed, launch
+
+    try:
+        launch(run_worker, (cfg.to_dict(),), world, cfg.train.threads, cfg.train.max_restarts, cfg.train.timeout_s)
+    except WorkersFailed as err:
+        print(f"threefold: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0

@@ -1,0 +1,99 @@
+"""The training loop of one worker: data -> forward/backward over micro-batches -> gradient
+sync -> clip -> AdamW -> metrics."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from threefold.data import GlobalBatchSampler, Prefetcher, load_tokens
+from threefold.distributed.comm import all_reduce_gradients, all_reduce_max, all_reduce_sum
+from threefold.distributed.grid import Grid
+from threefold.distributed.parallelize import build_model
+from threefold.errors import DataError
+from threefold.observe import MetricsWriter, device_peak_flops, mfu, peak_memory_bytes, train_flops_per_token
+from threefold.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at
+from threefold.train.status import StatusLine
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def autocast_for(device: torch.device, dtype: torch.dtype):
+    """bf16 autocast over fp32 master weights; plain fp32 needs no context."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def open_data(cfg):
+    """Token stream + sampler; refuses a corpus whose ids do not fit the model's vocabulary."""
+    d, m = cfg.data, cfg.model
+    tokens = load_tokens(d.path, d.vocab, d.dtype, d.cache_dir)
+    if tokens.vocab_size > m.vocab:
+        raise DataError(f"{tokens.source}: token ids go up to vocab {tokens.vocab_size} but model.vocab is "
+                        f"{m.vocab} (set --model.vocab {tokens.vocab_size} or larger)")
+    sampler = GlobalBatchSampler(len(tokens.tokens), m.seq_len, cfg.train.global_batch, cfg.train.seed)
+    return tokens, sampler
+
+
+def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
+    m, t = cfg.model, cfg.train
+    is_logger = grid.global_rank == 0
+    dtype = resolve_dtype(t.dtype, device)
+    model = build_model(cfg, grid, device)
+    optimizer = build_optimizer(model, t)
+    tokens, sampler = open_data(cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    tokens_per_step = t.global_batch * m.seq_len
+    flops_per_step = train_flops_per_token(m, m.seq_len) * tokens_per_step
+    peak = device_peak_flops(device, dtype, threads=t.threads if device.type == "cpu" else None,
+                             cache_dir=cfg.data.cache_dir)
+    world = grid.layout.world_size
+    metrics = MetricsWriter(cfg.log.dir, enabled=is_logger)
+    status = StatusLine(t.steps, cfg.log.interval, enabled=is_logger and not cfg.log.quiet)
+
+    def produce(step: int):
+        return sampler.microbatches(tokens.tokens, step, grid.dp_rank, grid.layout.dp, t.micro_batch)
+
+    start_step, last = 0, {}
+    with Prefetcher(produce, start_step, t.steps, depth=cfg.data.prefetch) as prefetch:
+        for step in range(start_step, t.steps):
+            t0 = time.perf_counter()
+            batches, data_wait = prefetch.get(step)
+            lr = lr_at(step, t)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+            for inputs, targets in batches:
+                inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+                with autocast_for(device, dtype):
+                    loss = model(inputs, targets)
+                (loss / tokens_per_step).backward()
+                loss_sum += loss.detach()
+            all_reduce_gradients([p.grad for p in params if p.grad is not None], grid.dp)
+            grad_norm = global_grad_norm(model, [grid.pp])
+            clip_gradients(model, t.grad_clip, grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            all_reduce_sum(loss_sum, grid.dp)
+            # One small MAX reduction gives the slowest rank's memory and data wait.
+            worst = all_reduce_max(torch.tensor([float(peak_memory_bytes(device)), data_wait]), grid.world)
+            loss_value, norm_value = loss_sum.item() / tokens_per_step, grad_norm.item()
+            step_time = time.perf_counter() - t0
+            tflops = flops_per_step / world / step_time / 1e12
+            last = {
+                "step": step + 1, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
+                "tokens": (step + 1) * tokens_per_step, "step_time_s": step_time,
+                "tokens_per_s": tokens_per_step / step_time, "model_tflops_per_device": tflops,
+                "mfu": mfu(tflops * 1e12, peak), "peak_mem_bytes": int(worst[0]), "data_wait_s": float(worst[1]),
+            }
+            metrics.write(last)
+            status.update(step, loss_value, last["tokens_per_s"], last["mfu"])
+    metrics.close()
+    return last

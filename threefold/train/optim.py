@@ -1,0 +1,74 @@
+"""AdamW with decay groups, warm-up + cosine learning rate, clipping by global gradient norm."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices decay; norms, biases and other 1-D parameters do not (GPT-2/Llama practice)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, tcfg) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(param_groups(model, tcfg.weight_decay), lr=tcfg.lr,
+                             betas=(tcfg.beta1, tcfg.beta2), eps=1e-8, foreach=True)
+
+
+def lr_at(step: int, tcfg) -> float:
+    """Linear warm-up to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
+    peak, floor = tcfg.lr, tcfg.lr * tcfg.min_lr_ratio
+    if step < tcfg.warmup_steps:
+        return peak * (step + 1) / tcfg.warmup_steps
+    span = max(1, tcfg.steps - tcfg.warmup_steps)
+    progress = min(1.0, (step - tcfg.warmup_steps) / span)
+    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
+
+
+def global_grad_norm(model: nn.Module, groups: list) -> torch.Tensor:
+    """L2 norm of the whole model's gradient, each logical element counted once.
+
+    A module's parameters listed in its `shard_specs` are split over its `shard_group`: their
+    squared sums are added over that group (divided by `replicas` where several ranks of the
+    group hold the same slice). Everything else is replicated there and counted once. The total
+    is then summed over `groups` (e.g. the pipeline group: each stage owns different layers).
+    """
+    device = next(model.parameters()).device
+    replicated = torch.zeros((), dtype=torch.float32, device=device)
+    per_group: dict[str, list] = {}
+    for module in model.modules():
+        specs, group = getattr(module, "shard_specs", {}), getattr(module, "shard_group", None)
+        for pname, p in module.named_parameters(recurse=False):
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().float().pow(2).sum()
+            spec = specs.get(pname)
+            if spec is None or group is None or group.size == 1:
+                replicated = replicated + sq
+            else:
+                entry = per_group.setdefault(group.name, [group, torch.zeros_like(replicated)])
+                entry[1] = entry[1] + sq / spec.replicas
+    total = replicated
+    for group, sq in per_group.values():
+        dist.all_reduce(sq, group=group.pg)
+        total = total + sq
+    for group in groups:
+        if group.size > 1:
+            dist.all_reduce(total, group=group.pg)
+    return total.sqrt()
+
+
+def clip_gradients(model: nn.Module, max_norm: float, norm: torch.Tensor) -> None:
+    """Scale all gradients so the global norm is at most `max_norm` (no-op when max_norm <= 0)."""
+    if max_norm <= 0:
+        return
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    torch._foreach_mul_(grads, coef)

@@ -1,0 +1,132 @@
+"""Every cross-field rule of the configuration, in one place.
+
+Each violation raises ConfigError naming the key, what is wrong and what would be valid; the
+CLI turns it into one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+from threefold.config import Config
+from threefold.errors import ConfigError
+
+
+def _positive(key: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _divides(key: str, what: str, value: int, by_key: str, by: int, valid: str) -> None:
+    if value % by:
+        raise ConfigError(key, f"{what} ({value}) is not divisible by {by_key} ({by})", valid)
+
+
+def _divisors(n: int) -> str:
+    return "valid: " + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def validate_model(cfg: Config) -> None:
+    m = cfg.model
+    for key in ("hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len"):
+        _positive(f"model.{key}", getattr(m, key))
+    _divides("model.hidden", "model.hidden", m.hidden, "model.heads", m.heads, "hidden must be heads * head_dim")
+    if m.head_dim % 2 and m.arch == "llama":
+        raise ConfigError("model.hidden", f"head_dim {m.head_dim} must be even for rotary embeddings")
+    _divides("model.kv_heads", "model.heads", m.heads, "model.kv_heads", m.kv_heads,
+             "each kv head serves a whole group of query heads")
+    if m.arch == "gpt2" and m.kv_heads != m.heads:
+        raise ConfigError("model.kv_heads", "gpt2 uses plain multi-head attention", f"set it to {m.heads}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError("model.dropout", f"{m.dropout} is outside [0, 1)")
+
+
+def resolve_dp(cfg: Config, world_size: int | None) -> None:
+    """parallel.dp = 0 fills the world given by torchrun."""
+    p = cfg.parallel
+    if p.dp == 0:
+        if world_size is None:
+            raise ConfigError("parallel.dp", "0 (auto) needs a world size from torchrun", "set dp explicitly")
+        inner = p.tp * p.pp * p.cp
+        if world_size % inner:
+            raise ConfigError("parallel.dp", f"world size {world_size} is not divisible by tp*pp*cp = {inner}")
+        p.dp = world_size // inner
+
+
+def validate_parallel(cfg: Config, world_size: int | None) -> None:
+    m, p = cfg.model, cfg.parallel
+    for key in ("tp", "pp", "ep", "cp", "vpp"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    _positive("parallel.dp", p.dp, allow_zero=True)
+    resolve_dp(cfg, world_size)
+    if p.cp != 1:
+        raise ConfigError("parallel.cp", "context parallelism is reserved in the grid but not implemented", "valid: 1")
+    if p.tp > 1:
+        _divides("parallel.tp", "model.heads", m.heads, "parallel.tp", p.tp, _divisors(m.heads))
+        if m.kv_heads % p.tp and p.tp % m.kv_heads:
+            raise ConfigError("parallel.tp", f"model.kv_heads ({m.kv_heads}) and parallel.tp ({p.tp}) must divide "
+                              "one another", _divisors(m.heads))
+        _divides("parallel.tp", "model.vocab", m.vocab, "parallel.tp", p.tp, "pad the vocabulary to a multiple of tp")
+        _divides("parallel.tp", "model.ffn_hidden", m.ffn_hidden, "parallel.tp", p.tp, "valid: a divisor of ffn_hidden")
+    if p.sp and p.tp == 1:
+        raise ConfigError("parallel.sp", "sequence parallelism needs tensor parallelism", "set parallel.tp > 1 or sp false")
+    if p.sp:
+        _divides("parallel.sp", "model.seq_len", m.seq_len, "parallel.tp", p.tp, "seq_len must split evenly over tp")
+    _positive("parallel.bucket_mb", p.bucket_mb)
+    if p.dp % p.ep:
+        raise ConfigError("parallel.ep", f"ep ({p.ep}) does not divide dp ({p.dp})",
+                          "experts are carved out of data-parallel ranks")
+    _not_yet(cfg)
+    world = p.dp * p.tp * p.pp * p.cp
+    if world_size is not None and world != world_size:
+        raise ConfigError("parallel", f"dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {world} but torchrun started {world_size} "
+                          "processes", "make the product equal the world size, or set parallel.dp 0")
+
+
+def _not_yet(cfg: Config) -> None:
+    """Dimensions the grid reserves but the training loop cannot run yet: refuse, never ignore."""
+    p = cfg.parallel
+    for key, value, ok in (("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1), ("parallel.vpp", p.vpp, 1),
+                           ("parallel.zero", p.zero, 0), ("parallel.ep", p.ep, 1)):
+        if value != ok:
+            raise ConfigError(key, f"{value} is not supported by this version of threefold", f"valid: {ok}")
+    if cfg.train.recompute != "none":
+        raise ConfigError("train.recompute", f"{cfg.train.recompute!r} is not supported by this version",
+                          "valid: none")
+    for key in ("dir", "resume"):
+        if getattr(cfg.checkpoint, key):
+            raise ConfigError(f"checkpoint.{key}", "checkpoints are not supported by this version", "leave it empty")
+
+
+def validate_train(cfg: Config) -> None:
+    t, p = cfg.train, cfg.parallel
+    _positive("train.steps", t.steps)
+    _positive("train.global_batch", t.global_batch)
+    _positive("train.lr", t.lr)
+    _positive("train.warmup_steps", t.warmup_steps, allow_zero=True)
+    _positive("train.threads", t.threads)
+    _positive("train.timeout_s", t.timeout_s)
+    _positive("train.max_restarts", t.max_restarts, allow_zero=True)
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError("train.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]")
+    _divides("train.global_batch", "train.global_batch", t.global_batch, "parallel.dp", p.dp,
+             "each data-parallel rank takes an equal share")
+    per_rank = t.global_batch // p.dp
+    if p.microbatches > 0:
+        _divides("parallel.microbatches", "global_batch/dp", per_rank, "parallel.microbatches", p.microbatches,
+                 _divisors(per_rank))
+        t.micro_batch = per_rank // p.microbatches
+    else:
+        _positive("train.micro_batch", t.micro_batch)
+        _divides("train.micro_batch", "global_batch/dp", per_rank, "train.micro_batch", t.micro_batch,
+                 _divisors(per_rank))
+        p.microbatches = per_rank // t.micro_batch
+    if cfg.log.interval <= 0:
+        raise ConfigError("log.interval", f"must be > 0, got {cfg.log.interval}")
+    if cfg.checkpoint.interval < 0:
+        raise ConfigError("checkpoint.interval", f"must be >= 0, got {cfg.checkpoint.interval}")
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    """Check and resolve derived fields (dp when 0, micro-batch split) in place."""
+    validate_model(cfg)
+    validate_parallel(cfg, world_size)
+    validate_train(cfg)
+    return cfg
