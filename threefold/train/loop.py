@@ -12,7 +12,8 @@ from threefold.distributed.comm import all_reduce_gradients, all_reduce_max, all
 from threefold.distributed.grid import Grid
 from threefold.distributed.parallelize import build_model
 from threefold.errors import DataError
-from threefold.observe import MetricsWriter, device_peak_flops, mfu, peak_memory_bytes, train_flops_per_token
+from threefold.observe import (MetricsWriter, device_peak_flops, mfu, peak_memory_bytes, train_flops_per_token,
+                               write_run_json)
 from threefold.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at
 from threefold.train.status import StatusLine
 
@@ -56,6 +57,10 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
                              cache_dir=cfg.data.cache_dir)
     world = grid.layout.world_size
     metrics = MetricsWriter(cfg.log.dir, enabled=is_logger)
+    if is_logger:
+        write_run_json(cfg.log.dir, cfg.to_dict(), grid.describe(), device=device,
+                       extra={"data": tokens.source, "peak_flops_per_device": peak, "dtype": str(dtype),
+                              "train_flops_per_token": flops_per_step / tokens_per_step})
     status = StatusLine(t.steps, cfg.log.interval, enabled=is_logger and not cfg.log.quiet)
 
     def produce(step: int):
