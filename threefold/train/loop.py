@@ -93,7 +93,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
             step_time = time.perf_counter() - t0
             tflops = flops_per_step / world / step_time / 1e12
             last = {
-                "step": step + 1, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
+                "step": step + 1, "time": time.time(), "loss": loss_value, "grad_norm": norm_value, "lr": lr,
                 "tokens": (step + 1) * tokens_per_step, "step_time_s": step_time,
                 "tokens_per_s": tokens_per_step / step_time, "model_tflops_per_device": tflops,
                 "mfu": mfu(tflops * 1e12, peak), "peak_mem_bytes": int(worst[0]), "data_wait_s": float(worst[1]),
