@@ -214,8 +214,17 @@ def test_cpu_peak_measured_then_cached(monkeypatch, tmp_path):
 def test_cpu_peak_cache_dir_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("THREEFOLD_CACHE", str(tmp_path))
     monkeypatch.setattr(peak, "_measure_cpu_peak", lambda dtype: 123.0)
-    assert device_peak_flops("cpu", torch.bfloat16, threads=1) == 123.0
+    assert device_peak_flops("cpu", torch.float32, threads=1) == 123.0
     assert list(json.loads((tmp_path / "cpu_peak_flops.json").read_text()).values()) == [123.0]
+
+
+def test_cpu_low_precision_peak_never_below_fp32(monkeypatch, tmp_path):
+    # A slow bf16 probe must not shrink the denominator: MFU would read above 100%.
+    rates = {torch.float32: 100.0, torch.bfloat16: 2.0}
+    monkeypatch.setattr(peak, "_measure_cpu_peak", lambda dtype: rates[dtype])
+    assert device_peak_flops("cpu", torch.bfloat16, threads=1, cache_dir=str(tmp_path)) == 100.0
+    rates[torch.bfloat16] = 300.0
+    assert device_peak_flops("cpu", torch.bfloat16, threads=2, cache_dir=str(tmp_path)) == 300.0
 
 
 def test_mfu():

@@ -15,7 +15,8 @@ group state anywhere in threefold.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
 import torch.distributed as dist
 
 from threefold.errors import ConfigError
@@ -107,12 +108,43 @@ class RankLayout:
 
 
 @dataclass
+class CommStats:
+    """Collectives this rank issued on one group: calls and bytes per kind ("all_reduce", ...).
+
+    Bytes are the size of the whole logical tensor a collective handles (the all-reduced
+    tensor, the all-gather's output, the reduce-scatter's input): the message size nccl-tests
+    reports. On a ring each rank sends 2(n-1)/n of it for an all-reduce, (n-1)/n otherwise.
+    """
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    def record(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + int(nbytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """{kind: (calls, bytes)}; subtract two snapshots to see what a region of code sent."""
+        return {k: (self.calls[k], self.bytes[k]) for k in self.calls}
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+
+@dataclass
 class Group:
-    """One process group as seen from this rank: its members, our index, the torch handle."""
+    """One process group as seen from this rank: its members, our index, the torch handle, and
+    the communication it carried (recorded by the collectives that take the group)."""
 
     name: str
     ranks: list[int]
     pg: dist.ProcessGroup | None
+    stats: CommStats = field(default_factory=CommStats, compare=False, repr=False)
 
     @property
     def size(self) -> int:

@@ -160,6 +160,10 @@ def cpu_peak_flops(dtype: torch.dtype, threads: int | None = None, cache_dir: st
         peak = _measure_cpu_peak(dtype)
     finally:
         torch.set_num_threads(before)
+    if dtype != torch.float32:
+        # CPU bf16/fp16 kernels often convert to fp32 inside, and small-size probes of them
+        # under-read the rate; a peak below the fp32 one would inflate MFU past 100%.
+        peak = max(peak, cpu_peak_flops(torch.float32, threads, cache_dir))
     try:
         cached = _read_cache(path)  # another rank may have written meanwhile
         cached[key] = peak
