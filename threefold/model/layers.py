@@ -17,6 +17,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose backward a zero-bubble pipeline can split: with `weight_grad_store` set,
+    the store computes dX at once and queues dW for a later W action."""
+
+    weight_grad_store = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_grad_store is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.weight_grad_store.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -67,11 +79,11 @@ class Attention(nn.Module):
         hd, bias = cfg.head_dim, cfg.arch == "gpt2"
         self.head_dim, self.rope_theta = hd, cfg.rope_theta
         self.use_rope = cfg.arch == "llama"
-        self.wq = nn.Linear(cfg.hidden, cfg.heads * hd, bias=bias)
-        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * hd, bias=bias)
-        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * hd, bias=bias)
+        self.wq = Linear(cfg.hidden, cfg.heads * hd, bias=bias)
+        self.wk = Linear(cfg.hidden, cfg.kv_heads * hd, bias=bias)
+        self.wv = Linear(cfg.hidden, cfg.kv_heads * hd, bias=bias)
         self.core = AttentionCore()
-        self.wo = nn.Linear(cfg.heads * hd, cfg.hidden, bias=bias)
+        self.wo = Linear(cfg.heads * hd, cfg.hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
@@ -91,9 +103,9 @@ class MLP(nn.Module):
         super().__init__()
         self.gated = cfg.arch == "llama"
         bias = not self.gated
-        self.w1 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=bias)
-        self.w3 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False) if self.gated else None
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=bias)
+        self.w1 = Linear(cfg.hidden, cfg.ffn_hidden, bias=bias)
+        self.w3 = Linear(cfg.hidden, cfg.ffn_hidden, bias=False) if self.gated else None
+        self.w2 = Linear(cfg.ffn_hidden, cfg.hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from threefold.model.layers import Block, make_norm
+from threefold.model.layers import Block, Linear, make_norm
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -32,7 +32,7 @@ class Transformer(nn.Module):
         self.pos_embed = nn.Embedding(cfg.seq_len, cfg.hidden) if first and cfg.arch == "gpt2" else None
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in layer_ids})
         self.norm = make_norm(cfg) if last else None
-        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False) if last else None
+        self.head = Linear(cfg.hidden, cfg.vocab, bias=False) if last else None
         if first and last and cfg.tie_embeddings:
             self.head.weight = self.tok_embed.weight
         # Swapped for the vocab-parallel version by tensor parallelism.

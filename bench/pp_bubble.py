@@ -1,0 +1,85 @@
+"""Pipeline bubble measured by the real executor vs theory, with equal-cost stages.
+
+p gloo processes run threefold's PipelineExecutor over SleepStage chunks (fixed forward /
+backward / weight-gradient times that use no CPU core), so p > cores still behaves like p
+devices. Bubble = 1 - (compute time / step wall time), mean over ranks, median over steps.
+
+    python bench/pp_bubble.py [--p 4] [--m 8] [--forward-ms 10] [--steps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from harness import run_ranks  # noqa: E402
+
+
+def bubble_worker(schedule: str, p: int, m: int, v: int, forward_s: float, steps: int) -> list[float]:
+    import torch
+
+    from threefold.distributed.grid import Grid, RankLayout
+    from threefold.distributed.pipeline import build_schedule
+    from threefold.distributed.pipeline.executor import PipelineExecutor, StagePlan
+    from threefold.distributed.pipeline.p2p import WireFormat
+    from threefold.distributed.pipeline.synthetic import SleepStage
+    from threefold.distributed.pipeline.weight_grad import WeightGradStore, attach_weight_grad_store
+    from threefold.distributed.runtime import init_distributed, shutdown_distributed
+
+    init_distributed(torch.device("cpu"), timeout_s=120)
+    grid = Grid.build(RankLayout(pp=p))
+    r, stages = grid.pp_rank, p * v
+    chunks = [SleepStage(forward_s / v, last=(c * p + r == stages - 1)) for c in range(v)]
+    store = WeightGradStore() if schedule == "zb" else None
+    if store:
+        attach_weight_grad_store(chunks, store)
+    wire = WireFormat((4, 4), torch.float32, torch.device("cpu"))
+    plan = StagePlan(chunks, [c * p + r == 0 for c in range(v)], [c * p + r == stages - 1 for c in range(v)],
+                     wire, grid.pp)
+    executor = PipelineExecutor(plan, build_schedule(schedule, p, m, v)[r], store)
+    micro = [(torch.ones(4, 4), torch.zeros(4, 4)) for _ in range(m)]
+    bubbles = []
+    for _ in range(steps + 1):
+        _, stats = executor.run(micro, loss_scale=1.0)
+        busy = sum(stats.compute_s.values())
+        bubbles.append(1.0 - busy / stats.wall_s)
+    shutdown_distributed()
+    return bubbles[1:]  # the first step warms up the process group
+
+
+def measure(schedule: str, p: int, m: int, v: int, forward_ms: float, steps: int) -> float:
+    per_rank = run_ranks(bubble_worker, p, schedule, p, m, v, forward_ms / 1e3, steps, timeout=300)
+    per_step = [statistics.mean(rank[i] for rank in per_rank) for i in range(steps)]
+    return statistics.median(per_step)
+
+
+def theory(schedule: str, p: int, m: int, v: int) -> float:
+    from threefold.distributed.pipeline import bubble_theory
+
+    return bubble_theory(schedule, p, m, v)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--p", type=int, default=4)
+    ap.add_argument("--m", type=int, default=8)
+    ap.add_argument("--forward-ms", type=float, default=10.0)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args(argv)
+    rows = []
+    print("| schedule | p | m | v | measured bubble | theory | measured/theory |")
+    print("|---|---|---|---|---|---|---|")
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)):
+        got, want = measure(schedule, args.p, args.m, v, args.forward_ms, args.steps), theory(schedule, args.p, args.m, v)
+        rows.append({"schedule": schedule, "p": args.p, "m": args.m, "v": v, "measured": got, "theory": want})
+        print(f"| {schedule} | {args.p} | {args.m} | {v} | {got:.3f} | {want:.3f} | {got / want:.2f} |", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

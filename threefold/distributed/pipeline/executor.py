@@ -1,0 +1,143 @@
+"""One executor for every pipeline schedule: it runs a rank's action list, nothing more.
+
+F runs a chunk's forward on a micro-batch (tokens on the first virtual stage, a received
+activation elsewhere; the last virtual stage returns the summed loss). B runs its backward
+(input and weight gradients; under `zb` the input gradient only, the weight-gradient matmuls
+being queued in a WeightGradStore that W then runs). Sends and receives come in batches
+(a maximal run of consecutive comm actions): receives are waited for before the next compute
+action, sends only at the end of the step, as the schedules' batching convention says.
+
+The time spent waiting for receives is this rank's idle time inside the schedule: the
+pipeline bubble plus any transfer time not hidden behind compute.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from threefold.distributed.grid import Group
+from threefold.distributed.pipeline.p2p import WireFormat
+from threefold.distributed.pipeline.schedules import Action, group_batches
+from threefold.distributed.pipeline.weight_grad import WeightGradStore
+
+
+@dataclass
+class PipelineStats:
+    """What one step of the schedule cost this rank."""
+
+    wall_s: float = 0.0
+    recv_wait_s: float = 0.0
+    compute_s: dict = field(default_factory=lambda: {"F": 0.0, "B": 0.0, "W": 0.0})
+    sent_bytes: int = 0
+
+    @property
+    def idle_fraction(self) -> float:
+        return self.recv_wait_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class StagePlan:
+    """This rank's chunks and where they sit in the pipeline."""
+
+    chunks: list[nn.Module]
+    first: list[bool]  # chunk c holds virtual stage 0 (reads tokens)
+    last: list[bool]  # chunk c holds the last virtual stage (computes the loss)
+    wire: WireFormat
+    group: Group
+
+
+class PipelineExecutor:
+    def __init__(self, plan: StagePlan, actions: list[Action], weight_store: WeightGradStore | None = None):
+        self.plan, self.steps, self.store = plan, group_batches(actions), weight_store
+        if any(a.kind == "W" for a in actions) and weight_store is None:
+            raise ValueError("a schedule with W actions needs a WeightGradStore on its linear layers")
+
+    def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
+            autocast=contextlib.nullcontext) -> tuple[torch.Tensor, PipelineStats]:
+        """Run one step's schedule; returns the summed (unscaled) loss of the micro-batches
+        whose last stage is here (zero elsewhere) and this rank's timing."""
+        plan, stats = self.plan, PipelineStats()
+        device = plan.wire.device
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        grads_from_next: dict[tuple[int, int], torch.Tensor] = {}
+        grads_to_prev: dict[tuple[int, int], torch.Tensor] = {}
+        pending_sends: list = []
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        start = time.perf_counter()
+        for step in self.steps:
+            if isinstance(step, tuple):
+                self._exchange(step, inputs, outputs, grads_from_next, grads_to_prev, pending_sends, stats)
+                continue
+            key = (step.microbatch, step.chunk)
+            t0 = time.perf_counter()
+            if step.kind == "F":
+                loss_sum += self._forward(step, key, microbatches, inputs, outputs, loss_scale, autocast)
+            elif step.kind == "B":
+                self._backward(step, key, inputs, outputs, grads_from_next, grads_to_prev)
+            else:
+                self.store.run(key)
+            stats.compute_s[step.kind] += time.perf_counter() - t0
+        for work in pending_sends:
+            work.wait()
+        stats.wall_s = time.perf_counter() - start
+        if inputs or outputs or grads_from_next or grads_to_prev or (self.store and self.store.pending):
+            raise RuntimeError("pipeline schedule left work unfinished: a schedule bug")
+        return loss_sum, stats
+
+    def _forward(self, action, key, microbatches, inputs, outputs, loss_scale, autocast) -> torch.Tensor:
+        c, plan = action.chunk, self.plan
+        tokens, targets = microbatches[action.microbatch]
+        x = tokens.to(plan.wire.device, non_blocking=True) if plan.first[c] else inputs[key]
+        with autocast():
+            out = plan.chunks[c](x, targets.to(plan.wire.device, non_blocking=True) if plan.last[c] else None)
+        if plan.last[c]:
+            outputs[key] = out / loss_scale
+            return out.detach()
+        outputs[key] = out
+        return torch.zeros((), device=plan.wire.device)
+
+    def _backward(self, action, key, inputs, outputs, grads_from_next, grads_to_prev) -> None:
+        c, plan = action.chunk, self.plan
+        out = outputs.pop(key)
+        grad = None if plan.last[c] else grads_from_next.pop(key)
+        with self.store.defer(key) if self.store is not None else contextlib.nullcontext():
+            torch.autograd.backward(out, grad)
+        if not plan.first[c]:
+            x = inputs.pop(key)
+            grads_to_prev[key] = x.grad
+
+    def _exchange(self, batch, inputs, outputs, grads_from_next, grads_to_prev, pending_sends, stats) -> None:
+        plan, ops, received = self.plan, [], []
+        for a in batch:
+            key, peer = (a.microbatch, a.chunk), plan.group.ranks[a.peer]
+            if a.kind == "SEND_F":
+                tensor = outputs[key].detach().contiguous()
+            elif a.kind == "SEND_B":
+                tensor = grads_to_prev.pop(key).contiguous()
+            else:
+                tensor = plan.wire.empty()
+                received.append((a.kind, key, tensor))
+            if a.kind.startswith("SEND"):
+                stats.sent_bytes += tensor.numel() * tensor.element_size()
+                ops.append(dist.P2POp(dist.isend, tensor, peer, group=plan.group.pg))
+            else:
+                ops.append(dist.P2POp(dist.irecv, tensor, peer, group=plan.group.pg))
+        works = dist.batch_isend_irecv(ops)
+        t0 = time.perf_counter()
+        for a, work in zip(batch, works):
+            if a.kind.startswith("RECV"):
+                work.wait()
+            else:
+                pending_sends.append(work)
+        stats.recv_wait_s += time.perf_counter() - t0
+        for kind, key, tensor in received:
+            if kind == "RECV_F":
+                inputs[key] = tensor.requires_grad_()
+            else:
+                grads_from_next[key] = tensor
