@@ -27,8 +27,15 @@ def test_coords_round_trip_for_every_rank():
 def test_every_group_kind_partitions_the_world():
     lay = RankLayout(tp=2, dp=4, pp=2, ep=2)
     for name, lists in lay.group_lists().items():
+        if name == "embed":  # only the first and last pipeline stages
+            continue
         flat = sorted(r for g in lists for r in g)
         assert flat == list(range(lay.world_size)), name
+
+
+def test_embedding_group_joins_first_and_last_stage():
+    assert RankLayout(tp=2, pp=3).group_lists()["embed"] == [[0, 4], [1, 5]]
+    assert RankLayout(dp=2).group_lists()["embed"] == [[0], [1]]
 
 
 def test_expert_groups_are_carved_from_dp():

@@ -34,6 +34,15 @@ def test_global_grad_norm_and_clip_match_torch():
     assert abs(clipped.item() - 0.5) < 1e-4
 
 
+def test_tied_weight_counts_once_in_the_norm():
+    emb = torch.nn.Embedding(4, 3)
+    head = torch.nn.Linear(3, 4, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    emb.weight.grad = torch.full((4, 3), 2.0)
+    assert global_grad_norm(model, []).item() == pytest.approx((12 * 4.0) ** 0.5)
+
+
 @pytest.fixture(scope="module")
 def dp1_run(tmp_path_factory, cache_dir):
     return run_training({"train.steps": STEPS, "train.seed": 0}, tmp_path_factory.mktemp("dp1"), cache_dir)

@@ -58,6 +58,7 @@ class ParallelConfig:
     cp: int = knob(1, "Context-parallel degree (reserved; must be 1)")
     vpp: int = knob(1, "Virtual pipeline chunks per rank (interleaved schedule)")
     schedule: str = knob("1f1b", "Pipeline schedule", ("gpipe", "1f1b", "interleaved", "zb"))
+    stage_layers: str = knob("", "Layers per virtual pipeline stage, e.g. '3,4,4,3' ('' = balanced by cost)")
     microbatches: int = knob(0, "Micro-batches per step per dp rank (0 = global_batch / (dp * micro_batch))")
     order: str = knob("tp-cp-ep-dp-pp", "Rank order, fastest-varying first (tp first keeps TP groups on neighbouring ranks)")
     devices_per_node: int = knob(0, "Devices per node for placement checks (0 = local world size)")
@@ -81,7 +82,9 @@ class TrainConfig:
     beta2: float = knob(0.95, "AdamW beta2")
     grad_clip: float = knob(1.0, "Clip by global gradient norm (0 = off)")
     dtype: str = knob("auto", "Compute dtype: auto = fp32 on CPU, bf16 on CUDA", ("auto", "fp32", "bf16"))
-    recompute: str = knob("none", "Activation recomputation", ("none", "selective", "full"))
+    recompute: str = knob("none", "Activation recomputation: selective = attention core, full = whole blocks",
+                          ("none", "selective", "full"))
+    recompute_layers: int = knob(0, "Blocks per pipeline stage that full recompute covers, from the first (0 = all)")
     device: str = knob("auto", "Device type: auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
     threads: int = knob(1, "Intra-op threads per worker on CPU")
     timeout_s: float = knob(300.0, "Collective timeout: a hung rank fails the job after this long")

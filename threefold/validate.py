@@ -38,6 +38,14 @@ def validate_model(cfg: Config) -> None:
         raise ConfigError("model.dropout", f"{m.dropout} is outside [0, 1)")
 
 
+def _valid_tp(cfg: Config) -> list[int]:
+    """Tensor-parallel sizes the model's shape can be split by."""
+    m = cfg.model
+    return [t for t in range(1, m.heads + 1)
+            if m.heads % t == 0 and (m.kv_heads % t == 0 or t % m.kv_heads == 0)
+            and m.vocab % t == 0 and m.ffn_hidden % t == 0]
+
+
 def resolve_dp(cfg: Config, world_size: int | None) -> None:
     """parallel.dp = 0 fills the world given by torchrun."""
     p = cfg.parallel
@@ -59,12 +67,14 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
     if p.cp != 1:
         raise ConfigError("parallel.cp", "context parallelism is reserved in the grid but not implemented", "valid: 1")
     if p.tp > 1:
-        _divides("parallel.tp", "model.heads", m.heads, "parallel.tp", p.tp, _divisors(m.heads))
+        valid = "valid: " + ", ".join(map(str, _valid_tp(cfg)))
+        _divides("parallel.tp", "model.heads", m.heads, "parallel.tp", p.tp, valid)
         if m.kv_heads % p.tp and p.tp % m.kv_heads:
             raise ConfigError("parallel.tp", f"model.kv_heads ({m.kv_heads}) and parallel.tp ({p.tp}) must divide "
-                              "one another", _divisors(m.heads))
-        _divides("parallel.tp", "model.vocab", m.vocab, "parallel.tp", p.tp, "pad the vocabulary to a multiple of tp")
-        _divides("parallel.tp", "model.ffn_hidden", m.ffn_hidden, "parallel.tp", p.tp, "valid: a divisor of ffn_hidden")
+                              "one another (kv heads are split, or shared by tp/kv_heads ranks)", valid)
+        _divides("parallel.tp", "model.vocab", m.vocab, "parallel.tp", p.tp,
+                 f"pad model.vocab to a multiple of {p.tp}; {valid}")
+        _divides("parallel.tp", "model.ffn_hidden", m.ffn_hidden, "parallel.tp", p.tp, valid)
     if p.sp and p.tp == 1:
         raise ConfigError("parallel.sp", "sequence parallelism needs tensor parallelism", "set parallel.tp > 1 or sp false")
     if p.sp:
@@ -83,13 +93,10 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
 def _not_yet(cfg: Config) -> None:
     """Dimensions the grid reserves but the training loop cannot run yet: refuse, never ignore."""
     p = cfg.parallel
-    for key, value, ok in (("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1), ("parallel.vpp", p.vpp, 1),
+    for key, value, ok in (("parallel.pp", p.pp, 1), ("parallel.vpp", p.vpp, 1),
                            ("parallel.zero", p.zero, 0), ("parallel.ep", p.ep, 1)):
         if value != ok:
             raise ConfigError(key, f"{value} is not supported by this version of threefold", f"valid: {ok}")
-    if cfg.train.recompute != "none":
-        raise ConfigError("train.recompute", f"{cfg.train.recompute!r} is not supported by this version",
-                          "valid: none")
     for key in ("dir", "resume"):
         if getattr(cfg.checkpoint, key):
             raise ConfigError(f"checkpoint.{key}", "checkpoints are not supported by this version", "leave it empty")
@@ -104,6 +111,13 @@ def validate_train(cfg: Config) -> None:
     _positive("train.threads", t.threads)
     _positive("train.timeout_s", t.timeout_s)
     _positive("train.max_restarts", t.max_restarts, allow_zero=True)
+    _positive("train.recompute_layers", t.recompute_layers, allow_zero=True)
+    if t.recompute_layers and t.recompute != "full":
+        raise ConfigError("train.recompute_layers", f"{t.recompute_layers} applies only to full recompute "
+                          f"(train.recompute is {t.recompute!r})", "set train.recompute full or recompute_layers 0")
+    if t.recompute_layers > cfg.model.layers:
+        raise ConfigError("train.recompute_layers", f"{t.recompute_layers} is more than model.layers "
+                          f"({cfg.model.layers})", f"valid: 0 (all) to {cfg.model.layers}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError("train.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]")
     _divides("train.global_batch", "train.global_batch", t.global_batch, "parallel.dp", p.dp,

@@ -93,6 +93,8 @@ class RankLayout:
             "edp": self.groups(("dp",)),
             "dp_cp": self.groups(("cp", "ep", "dp")),
             "mp": self.groups(("tp", "pp")),
+            # First and last pipeline stage of each pipeline: they share tied embeddings.
+            "embed": sorted(sorted({g[0], g[-1]}) for g in self.groups(("pp",))),
         }
 
     def check_placement(self, devices_per_node: int, allow_tp_across_nodes: bool) -> None:
@@ -166,6 +168,7 @@ class Grid:
         self._groups = groups
         self.tp, self.pp, self.dp, self.cp = groups["tp"], groups["pp"], groups["dp"], groups["cp"]
         self.ep, self.edp, self.dp_cp, self.mp = groups["ep"], groups["edp"], groups["dp_cp"], groups["mp"]
+        self.embed = groups.get("embed")  # None on ranks between the first and last stage
         self.world = groups["world"]
 
     @classmethod

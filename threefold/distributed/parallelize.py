@@ -1,24 +1,43 @@
 """Build this rank's part of the model: plain model -> parallelism applied -> materialized -> initialized.
 
-The order is fixed and documented (as in torchtitan): construct on the meta device (no memory),
-apply tensor/sequence parallelism and recomputation by swapping modules, then materialize only
-this rank's shards and fill them with the layout-invariant initializer.
+The order is fixed (as in torchtitan):
+  1. construct the plain model on the meta device (no memory);
+  2. tensor/sequence parallelism swaps linears, embedding and loss for sharded ones;
+  3. activation recomputation wraps blocks (after TP, so a rerun repeats the TP collectives);
+  4. materialize only this rank's shards, re-tie tied weights, fill them with the
+     layout-invariant initializer;
+  5. seed the dropout generator for this rank's place in the grid.
 """
 from __future__ import annotations
+
+import hashlib
 
 import torch
 from torch import nn
 
 from threefold.distributed.grid import Grid
+from threefold.distributed.tensor_parallel import apply_tensor_parallel
 from threefold.model.init import init_weights
+from threefold.model.recompute import apply_recompute
 from threefold.model.transformer import Transformer
 
 
 def build_model(cfg, grid: Grid, device: torch.device) -> nn.Module:
     with torch.device("meta"):
         model = Transformer(cfg.model)
+        apply_tensor_parallel(model, grid, cfg.parallel.sp)
+    apply_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
     model.to_empty(device=device)
     if model.head is not None and model.tok_embed is not None and cfg.model.tie_embeddings:
         model.head.weight = model.tok_embed.weight  # to_empty re-creates parameters: re-tie
     init_weights(model, cfg.model, cfg.train.seed)
+    torch.manual_seed(dropout_seed(cfg.train.seed, grid, cfg.parallel.sp))
     return model
+
+
+def dropout_seed(seed: int, grid: Grid, sp: bool) -> int:
+    """Seed of the default generator, which only dropout draws from. TP ranks share it while
+    they hold the same replicated activations (their masks must agree); under SP each rank holds
+    different sequence rows, and data-parallel ranks different samples: those seeds differ."""
+    key = f"{seed}/dropout/dp{grid.dp_rank}/pp{grid.pp_rank}/tp{grid.tp_rank if sp else 0}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1

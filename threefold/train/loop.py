@@ -11,6 +11,7 @@ from threefold.data import GlobalBatchSampler, Prefetcher, load_tokens
 from threefold.distributed.comm import all_reduce_gradients, all_reduce_max, all_reduce_sum
 from threefold.distributed.grid import Grid
 from threefold.distributed.parallelize import build_model
+from threefold.distributed.tensor_parallel import sync_tensor_parallel_grads
 from threefold.errors import DataError
 from threefold.observe import (MetricsWriter, device_peak_flops, mfu, peak_memory_bytes, train_flops_per_token,
                                write_run_json)
@@ -70,6 +71,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
     with Prefetcher(produce, start_step, t.steps, depth=cfg.data.prefetch) as prefetch:
         for step in range(start_step, t.steps):
             t0 = time.perf_counter()
+            tp_bytes0 = grid.tp.stats.total_bytes
             batches, data_wait = prefetch.get(step)
             lr = lr_at(step, t)
             for group in optimizer.param_groups:
@@ -81,6 +83,9 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
                     loss = model(inputs, targets)
                 (loss / tokens_per_step).backward()
                 loss_sum += loss.detach()
+            # Tensor parallel: replicated parameters whose gradient each TP rank holds a part of
+            # (norms under SP, kv heads shared when kv_heads < tp) are summed over the TP group.
+            sync_tensor_parallel_grads(model, grid.tp)
             all_reduce_gradients([p.grad for p in params if p.grad is not None], grid.dp)
             grad_norm = global_grad_norm(model, [grid.pp])
             clip_gradients(model, t.grad_clip, grad_norm)
@@ -97,6 +102,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
                 "tokens": (step + 1) * tokens_per_step, "step_time_s": step_time,
                 "tokens_per_s": tokens_per_step / step_time, "model_tflops_per_device": tflops,
                 "mfu": mfu(tflops * 1e12, peak), "peak_mem_bytes": int(worst[0]), "data_wait_s": float(worst[1]),
+                "tp_comm_bytes": grid.tp.stats.total_bytes - tp_bytes0,
             }
             metrics.write(last)
             status.update(step, loss_value, last["tokens_per_s"], last["mfu"])

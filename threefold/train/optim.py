@@ -43,11 +43,13 @@ def global_grad_norm(model: nn.Module, groups: list) -> torch.Tensor:
     device = next(model.parameters()).device
     replicated = torch.zeros((), dtype=torch.float32, device=device)
     per_group: dict[str, list] = {}
+    seen: set[int] = set()  # a tied weight belongs to two modules: count it once
     for module in model.modules():
         specs, group = getattr(module, "shard_specs", {}), getattr(module, "shard_group", None)
         for pname, p in module.named_parameters(recurse=False):
-            if p.grad is None:
+            if p.grad is None or id(p) in seen:
                 continue
+            seen.add(id(p))
             sq = p.grad.detach().float().pow(2).sum()
             spec = specs.get(pname)
             if spec is None or group is None or group.size == 1:

@@ -1,0 +1,241 @@
+"""Tensor-parallel layers: column/row-parallel linear, vocab-parallel embedding and cross-entropy.
+
+Each module holds only this rank's shard and declares it in `shard_specs` (with `shard_group`),
+so init_weights draws exactly that slice of the full tensor and the global gradient norm
+counts every logical element once. Parameters that every rank holds but whose gradient is a
+per-rank partial sum (norm weights under SP, replicated GQA kv projections, row-parallel
+biases under SP) are listed in `tp_sum_grads`; apply.sync_tensor_parallel_grads sums them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.distributed.grid import Group
+from threefold.distributed.tensor_parallel.mappings import (all_gather_dim0, all_reduce_, copy_to_region,
+                                                           gather_from_sequence_region, leave_region)
+from threefold.model.init import ShardSpec
+
+
+def _shard(full: int, group: Group, what: str) -> tuple[int, int]:
+    """(start, length) of this rank's equal share of `full` rows."""
+    if full % group.size:
+        raise ValueError(f"{what} ({full}) is not divisible by the tensor-parallel size {group.size}")
+    n = full // group.size
+    return group.rank * n, n
+
+
+class _ShardedInput:
+    """The sequence shard an SP input was all-gathered from, shared by the column-parallel layers
+    that consume the gathered tensor. They save the shard (s/tp rows) instead of the gathered
+    tensor, and the first of them to run backward gathers it again for the others (Korthikanti
+    et al. 2022, sec. 4.2.2: one extra all-gather in backward instead of s rows kept per layer)."""
+
+    def __init__(self, group: Group):
+        # No reference to the shard itself: it is saved through autograd (and so through
+        # checkpointing), the only way it stays alive.
+        self.group, self.users, self.full = group, 0, None
+
+    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.full is None:
+            self.full = all_gather_dim0(shard, self.group)
+        return self.full
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self.full = None
+
+
+def enter_tensor_region(x: torch.Tensor, group: Group, sp: bool) -> torch.Tensor:
+    """Input of column-parallel layers: copied (identity forward, all-reduce backward), or under
+    SP all-gathered over the sequence (reduce-scatter backward). The gathered tensor carries its
+    shard so the layers it feeds keep only that for backward."""
+    if not sp or group.size == 1:
+        return copy_to_region(x, group)
+    full = gather_from_sequence_region(x, group)
+    # Lives as long as `full`, which nothing saves: only the forward of the consumers sees it.
+    full._tp_sharded_input = (x.detach(), _ShardedInput(group))
+    return full
+
+
+class _LinearSavingShard(torch.autograd.Function):
+    """F.linear on an all-gathered input that saves the input's shard and gathers it again in backward."""
+
+    @staticmethod
+    def forward(ctx, full, shard, weight, bias, sharded: _ShardedInput):
+        sharded.users += 1
+        ctx.sharded, ctx.has_bias = sharded, bias is not None
+        ctx.save_for_backward(shard, weight)
+        return F.linear(full, weight, bias)  # under autocast: in the autocast dtype
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, weight = ctx.saved_tensors
+        full = ctx.sharded.gathered(shard).to(grad.dtype)
+        grad_full = grad.matmul(weight.to(grad.dtype))
+        g2 = grad.flatten(0, -2)
+        grad_weight = g2.t().matmul(full.flatten(0, -2)).to(weight.dtype)
+        grad_bias = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
+        ctx.sharded.release()
+        return grad_full, None, grad_weight, grad_bias, None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store) -> torch.Tensor:
+    # A zero-bubble pipeline sets `weight_grad_store` to defer dW (pipeline/weight_grad.py).
+    return F.linear(x, weight, bias) if store is None else store.linear(x, weight, bias)
+
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store=None) -> torch.Tensor:
+    """F.linear, saving only the sequence shard when `x` was all-gathered by enter_tensor_region
+    (unless a zero-bubble store defers dW: it keeps the gathered input for its W action)."""
+    sharded = getattr(x, "_tp_sharded_input", None)
+    if sharded is None or store is not None or not torch.is_grad_enabled():
+        return _linear(x, weight, bias, store)
+    return _LinearSavingShard.apply(x, sharded[0], weight, bias, sharded[1])
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T with A's output rows split over the group: each rank computes its slice of y.
+
+    With `enter=True` the input first enters the region (copy, or all-gather under SP); set it
+    False when the caller did that once for several sibling projections (q, k, v / w1, w3).
+    """
+
+    weight_grad_store = None
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = False,
+                 sp: bool = False, enter: bool = True):
+        super().__init__()
+        self.group, self.sp, self.enter = group, sp, enter
+        self.in_features, self.out_features = in_features, out_features
+        start, n = _shard(out_features, group, "out_features")
+        self.weight = nn.Parameter(torch.empty(n, in_features))
+        self.bias = nn.Parameter(torch.empty(n)) if bias else None
+        self.shard_specs = {"weight": ShardSpec(0, start, n, (out_features, in_features))}
+        if bias:
+            self.shard_specs["bias"] = ShardSpec(0, start, n, (out_features,))
+        self.shard_group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enter:
+            x = enter_tensor_region(x, self.group, self.sp)
+        return column_linear(x, self.weight, self.bias, self.weight_grad_store)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}/{self.group.size}, sp={self.sp}, enter={self.enter}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T with A's input columns split: the input is the column-parallel output (split
+    along its last dim); partial products are all-reduced, or reduce-scattered over the
+    sequence under SP. The bias is replicated and added after the reduction."""
+
+    weight_grad_store = None
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = False, sp: bool = False):
+        super().__init__()
+        self.group, self.sp = group, sp
+        self.in_features, self.out_features = in_features, out_features
+        start, n = _shard(in_features, group, "in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, n))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.shard_specs = {"weight": ShardSpec(1, start, n, (out_features, in_features))}
+        self.shard_group = group
+        # Under SP each rank adds the bias to its own sequence shard only: partial gradient.
+        self.tp_sum_grads = ("bias",) if bias and sp else ()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = leave_region(_linear(x, self.weight, None, self.weight_grad_store), self.group, self.sp)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}/{self.group.size} -> {self.out_features}, sp={self.sp}"
+
+
+class HeadSliceLinear(nn.Module):
+    """A projection held whole on every rank, of which this rank uses rows [start, start+length):
+    GQA key/value heads when kv_heads < tp (each kv head serves the query heads of tp/kv_heads
+    ranks). The unused rows get a zero gradient here, so summing over the group is exact."""
+
+    def __init__(self, in_features: int, out_features: int, start: int, length: int, *, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.start, self.length = in_features, out_features, start, length
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.tp_sum_grads = ("weight", "bias") if bias else ("weight",)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = slice(self.start, self.start + self.length)
+        return column_linear(x, self.weight[rows], None if self.bias is None else self.bias[rows])
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> rows [{self.start}, {self.start + self.length}) of {self.out_features}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split over the group: each rank looks up the ids it owns
+    (zeros elsewhere), then the partial rows are summed - all-reduced, or reduce-scattered over
+    the sequence when `scatter` (SP without a position table to add first)."""
+
+    def __init__(self, vocab: int, dim: int, group: Group, *, scatter: bool = False):
+        super().__init__()
+        self.group, self.scatter, self.vocab, self.dim = group, scatter, vocab, dim
+        self.start, n = _shard(vocab, group, "vocab")
+        self.weight = nn.Parameter(torch.empty(n, dim))
+        self.shard_specs = {"weight": ShardSpec(0, self.start, n, (vocab, dim))}
+        self.shard_group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        foreign = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(foreign, 0), self.weight)
+        out = out.masked_fill(foreign.unsqueeze(-1), 0.0)
+        return leave_region(out, self.group, self.scatter)
+
+    def extra_repr(self) -> str:
+        return f"{self.vocab}/{self.group.size} x {self.dim}, scatter={self.scatter}"
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Sum of token losses from vocab-sharded logits without gathering them (Megatron's
+    algorithm): global max -> local exp-sums and target logits -> one summed all-reduce."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group):
+        x = logits.float()
+        vocab_start = group.rank * x.shape[-1]
+        row_max = all_reduce_(x.amax(dim=-1), group, op=dist.ReduceOp.MAX)
+        x = x - row_max.unsqueeze(-1)
+        local = targets - vocab_start
+        foreign = (local < 0) | (local >= x.shape[-1])
+        local = local.masked_fill(foreign, 0)
+        target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(foreign, 0.0)
+        exp = x.exp_()
+        # Target logits and exp-sums travel together: one all-reduce instead of two.
+        sums = all_reduce_(torch.stack((target_logit, exp.sum(dim=-1))), group)
+        loss = sums[1].log() - sums[0]
+        softmax = exp.div_(sums[1].unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, foreign)
+        ctx.in_dtype, ctx.consumed = logits.dtype, False
+        return loss.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.consumed:
+            raise RuntimeError("vocab_parallel_cross_entropy: backward twice (retain_graph) is not supported")
+        ctx.consumed = True
+        softmax, local, foreign = ctx.saved_tensors
+        # d(sum of losses)/d logits = softmax - onehot(target), the onehot only where we own it.
+        # In place on the saved softmax: the logits-sized buffer is the largest of the step.
+        g = softmax.scatter_add_(-1, local.unsqueeze(-1), (~foreign).to(softmax.dtype).neg().unsqueeze(-1))
+        return g.mul_(grad).to(ctx.in_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum of cross-entropy losses (fp32) of logits [..., vocab/size] split over `group`."""
+    if group.size == 1:
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+    return _VocabParallelCrossEntropy.apply(logits, targets, group)

@@ -1,0 +1,48 @@
+"""Activation recomputation as a model transform (train.recompute, Korthikanti et al. 2022).
+
+    none       keep every activation autograd saves
+    selective  recompute the attention core (softmax(QK^T)V) in backward: with a materialized
+               score matrix that is the 5as^2b term of the paper; with a fused (flash) kernel it
+               saves the core's output and log-sum-exp only
+    full       keep only each block's input and rerun the whole block in backward; with
+               train.recompute_layers N > 0 only the first N blocks of the stage, the rest keep
+               everything (Megatron's "block" method: trade memory for compute in steps)
+
+Checkpointing is torch.utils.checkpoint without reentrancy; it stashes the CPU and device RNG
+states and restores them for the rerun, so dropout draws the same masks and the losses equal
+those of recompute none. The module's forward is wrapped in place, so parameter names (and
+therefore init and checkpoints) do not change. Note that the rerun of a tensor-parallel block
+repeats its forward collectives in backward (accounted for in docs/tensor_parallel.md).
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+MODES = ("none", "selective", "full")
+
+
+def recompute_module(module: nn.Module) -> nn.Module:
+    """Make `module` save only its inputs and recompute its internals during backward."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+    module.forward = forward
+    module.recomputed = True
+    return module
+
+
+def apply_recompute(model: nn.Module, mode: str, layers: int = 0) -> nn.Module:
+    """Wrap the blocks of `model` (a Transformer or a pipeline stage of one) for `mode`."""
+    if mode not in MODES:
+        raise ValueError(f"recompute mode {mode!r} (valid: {', '.join(MODES)})")
+    blocks = list(model.layers.values())
+    if mode == "selective":
+        for block in blocks:
+            recompute_module(block.attn.core)
+    elif mode == "full":
+        for block in blocks[: layers or len(blocks)]:
+            recompute_module(block)
+    return model
