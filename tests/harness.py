@@ -102,3 +102,47 @@ def run_training(overrides: dict, log_dir, cache_dir: str, timeout: float = 240.
 def max_loss_delta(a: list[dict], b: list[dict]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
+
+
+def resolved_config(overrides: dict, log_dir, cache_dir: str, world: int | None = None) -> dict:
+    """A validated config dict for `overrides`, logging quietly into `log_dir`."""
+    from threefold.config import build_config
+    from threefold.validate import validate
+
+    pairs = [(k, str(v)) for k, v in overrides.items()]
+    pairs += [("log.dir", str(log_dir)), ("data.cache_dir", cache_dir), ("log.quiet", "true")]
+    return validate(build_config(None, pairs), world).to_dict()
+
+
+def train_jobs(jobs: list[dict]) -> None:
+    """In each spawned rank: join once, then train every config (same world size) in turn.
+    Process groups are slow to create on gloo, so each layout's grid is built once."""
+    import torch
+
+    from threefold.config import Config
+    from threefold.distributed.grid import Grid
+    from threefold.distributed.runtime import init_distributed, shutdown_distributed
+    from threefold.train.loop import train
+    from threefold.train.worker import layout_of
+
+    init_distributed(torch.device("cpu"), timeout_s=120)
+    grids: dict = {}
+    for cfg_dict in jobs:
+        cfg = Config.from_dict(cfg_dict)
+        layout = layout_of(cfg)
+        if layout not in grids:
+            grids[layout] = Grid.build(layout)
+        grids[layout].tp.stats.reset()
+        train(cfg, grids[layout], torch.device("cpu"))
+    shutdown_distributed()
+
+
+def run_training_many(runs: dict[str, dict], root, cache_dir: str, world: int, timeout: float = 600.0) -> dict:
+    """Train each named override set in ONE spawned group of `world` ranks; metrics by name."""
+    import json
+    from pathlib import Path
+
+    jobs = [resolved_config(over, Path(root) / name, cache_dir, world) for name, over in runs.items()]
+    run_ranks(train_jobs, world, jobs, timeout=timeout)
+    return {name: [json.loads(line) for line in (Path(root) / name / "metrics.jsonl").read_text().splitlines()]
+            for name in runs}

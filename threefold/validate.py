@@ -93,8 +93,7 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
 def _not_yet(cfg: Config) -> None:
     """Dimensions the grid reserves but the training loop cannot run yet: refuse, never ignore."""
     p = cfg.parallel
-    for key, value, ok in (("parallel.pp", p.pp, 1), ("parallel.vpp", p.vpp, 1),
-                           ("parallel.zero", p.zero, 0), ("parallel.ep", p.ep, 1)):
+    for key, value, ok in (("parallel.zero", p.zero, 0), ("parallel.ep", p.ep, 1)):
         if value != ok:
             raise ConfigError(key, f"{value} is not supported by this version of threefold", f"valid: {ok}")
     for key in ("dir", "resume"):
@@ -138,9 +137,26 @@ def validate_train(cfg: Config) -> None:
         raise ConfigError("checkpoint.interval", f"must be >= 0, got {cfg.checkpoint.interval}")
 
 
+def validate_pipeline(cfg: Config) -> None:
+    """Stages need layers, the schedule needs enough micro-batches (after they are resolved)."""
+    from threefold.distributed.pipeline.partition import parse_stage_layers
+    from threefold.distributed.pipeline.schedules import check_args
+
+    m, p = cfg.model, cfg.parallel
+    stages = p.pp * p.vpp
+    if stages > m.layers:
+        raise ConfigError("parallel.vpp" if p.vpp > 1 else "parallel.pp",
+                          f"pp*vpp = {stages} virtual stages but model.layers is {m.layers}",
+                          "each virtual stage needs at least one layer")
+    if p.stage_layers:
+        parse_stage_layers(p.stage_layers, m.layers, stages)
+    check_args(p.schedule, p.pp, p.microbatches, p.vpp)
+
+
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Check and resolve derived fields (dp when 0, micro-batch split) in place."""
     validate_model(cfg)
     validate_parallel(cfg, world_size)
     validate_train(cfg)
+    validate_pipeline(cfg)
     return cfg

@@ -22,15 +22,21 @@ from threefold.model.recompute import apply_recompute
 from threefold.model.transformer import Transformer
 
 
-def build_model(cfg, grid: Grid, device: torch.device) -> nn.Module:
+def build_model(cfg, grid: Grid, device: torch.device, layer_ids: list[int] | None = None,
+                first: bool = True, last: bool = True) -> nn.Module:
+    """The whole model, or one pipeline chunk (its `layer_ids`, with the embedding if `first`
+    and the head and loss if `last`)."""
     with torch.device("meta"):
-        model = Transformer(cfg.model)
+        model = Transformer(cfg.model, layer_ids, first, last)
         apply_tensor_parallel(model, grid, cfg.parallel.sp)
     apply_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
     model.to_empty(device=device)
-    if model.head is not None and model.tok_embed is not None and cfg.model.tie_embeddings:
+    tied = cfg.model.tie_embeddings
+    if tied and first and last:
         model.head.weight = model.tok_embed.weight  # to_empty re-creates parameters: re-tie
-    init_weights(model, cfg.model, cfg.train.seed)
+    # A last stage without the embedding holds its own copy of the tied weight: same values.
+    names = {"head.weight": "tok_embed.weight"} if tied and last and not first else None
+    init_weights(model, cfg.model, cfg.train.seed, names)
     torch.manual_seed(dropout_seed(cfg.train.seed, grid, cfg.parallel.sp))
     return model
 

@@ -107,3 +107,58 @@ class SavedTensorMeter:
     def per_layer(self) -> float:
         layers = [v for k, v in self.by_scope.items() if k.startswith("layer")]
         return sum(layers) / max(1, len(layers))
+
+
+class _Held:
+    """What the autograd graph keeps for one saved tensor; its death frees the bytes."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor: torch.Tensor, meter: "LiveActivationMeter", key: int):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+class LiveActivationMeter:
+    """Peak bytes of activations held for backward at any moment (each storage once), over
+    everything run inside the block: forwards and backwards of many micro-batches, e.g. a whole
+    pipeline schedule. Parameters are not counted.
+
+        with LiveActivationMeter(model) as meter:
+            run_schedule()
+        meter.peak_bytes
+    """
+
+    def __init__(self, model: nn.Module):
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._refs: dict[int, int] = {}
+        self._bytes: dict[int, int] = {}
+        self.live_bytes = self.peak_bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(
+            self._pack, lambda held: held.tensor if isinstance(held, _Held) else held)
+
+    def _pack(self, t: torch.Tensor):
+        key = t.untyped_storage().data_ptr()
+        if key in self._params:
+            return t
+        if key not in self._refs:
+            self._refs[key], self._bytes[key] = 0, t.untyped_storage().nbytes()
+            self.live_bytes += self._bytes[key]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._refs[key] += 1
+        return _Held(t, self, key)
+
+    def _release(self, key: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.live_bytes -= self._bytes.pop(key)
+
+    def __enter__(self) -> "LiveActivationMeter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)

@@ -52,13 +52,14 @@ class MetricsWriter:
     crash loses at most the line being written. Floats are written as-is, None and
     non-finite floats (NaN, inf) as null."""
 
-    def __init__(self, log_dir: str | Path, enabled: bool):
+    def __init__(self, log_dir: str | Path, enabled: bool, append: bool = True):
+        """`append=False` starts the file afresh (a new run); a resumed run appends."""
         self.enabled = enabled
         self.path = Path(log_dir) / "metrics.jsonl"
         self._file = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._file = open(self.path, "a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict) -> None:
         if self._file is None:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import time
+from functools import partial
 
 import torch
+from torch import nn
 
 from threefold.data import GlobalBatchSampler, Prefetcher, load_tokens
 from threefold.distributed.comm import all_reduce_gradients, all_reduce_max, all_reduce_sum
 from threefold.distributed.grid import Grid
 from threefold.distributed.parallelize import build_model
+from threefold.distributed.pipeline import bubble_theory
+from threefold.distributed.pipeline.stage import build_stage, sync_tied_embedding_grads, tied_head_weights
 from threefold.distributed.tensor_parallel import sync_tensor_parallel_grads
 from threefold.errors import DataError
 from threefold.observe import (MetricsWriter, device_peak_flops, mfu, peak_memory_bytes, train_flops_per_token,
@@ -47,7 +51,9 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
     m, t = cfg.model, cfg.train
     is_logger = grid.global_rank == 0
     dtype = resolve_dtype(t.dtype, device)
-    model = build_model(cfg, grid, device)
+    chunks, executor = build_stage(cfg, grid, device, partial(build_model, cfg, grid, device))
+    model = nn.ModuleList(chunks)  # this rank's pipeline chunks (one without pipelining)
+    tied_copy = [w for c in chunks if c.tok_embed is None for w in tied_head_weights([c], cfg, grid)]
     optimizer = build_optimizer(model, t)
     tokens, sampler = open_data(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -57,7 +63,10 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
     peak = device_peak_flops(device, dtype, threads=t.threads if device.type == "cpu" else None,
                              cache_dir=cfg.data.cache_dir)
     world = grid.layout.world_size
-    metrics = MetricsWriter(cfg.log.dir, enabled=is_logger)
+    p = cfg.parallel
+    bubble = bubble_theory(p.schedule, p.pp, p.microbatches, p.vpp) if p.pp > 1 else 0.0
+    start_step = 0
+    metrics = MetricsWriter(cfg.log.dir, enabled=is_logger, append=start_step > 0)
     if is_logger:
         write_run_json(cfg.log.dir, cfg.to_dict(), grid.describe(), device=device,
                        extra={"data": tokens.source, "peak_flops_per_device": peak, "dtype": str(dtype),
@@ -67,7 +76,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
     def produce(step: int):
         return sampler.microbatches(tokens.tokens, step, grid.dp_rank, grid.layout.dp, t.micro_batch)
 
-    start_step, last = 0, {}
+    last = {}
     with Prefetcher(produce, start_step, t.steps, depth=cfg.data.prefetch) as prefetch:
         for step in range(start_step, t.steps):
             t0 = time.perf_counter()
@@ -76,24 +85,22 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
             lr = lr_at(step, t)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-            for inputs, targets in batches:
-                inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-                with autocast_for(device, dtype):
-                    loss = model(inputs, targets)
-                (loss / tokens_per_step).backward()
-                loss_sum += loss.detach()
+            # Forward/backward of every micro-batch through this rank's stage, in schedule order.
+            loss_sum, pipe = executor.run(batches, tokens_per_step, partial(autocast_for, device, dtype))
             # Tensor parallel: replicated parameters whose gradient each TP rank holds a part of
             # (norms under SP, kv heads shared when kv_heads < tp) are summed over the TP group.
             sync_tensor_parallel_grads(model, grid.tp)
+            sync_tied_embedding_grads(chunks, cfg, grid)
             all_reduce_gradients([p.grad for p in params if p.grad is not None], grid.dp)
-            grad_norm = global_grad_norm(model, [grid.pp])
+            grad_norm = global_grad_norm(model, [grid.pp], exclude=tied_copy)
             clip_gradients(model, t.grad_clip, grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            all_reduce_sum(loss_sum, grid.pp)  # only the last stage computed a loss
             all_reduce_sum(loss_sum, grid.dp)
-            # One small MAX reduction gives the slowest rank's memory and data wait.
-            worst = all_reduce_max(torch.tensor([float(peak_memory_bytes(device)), data_wait]), grid.world)
+            # One small MAX reduction gives the slowest rank's memory, data wait and pipeline idle.
+            worst = all_reduce_max(torch.tensor([float(peak_memory_bytes(device)), data_wait, pipe.recv_wait_s,
+                                                 pipe.idle_fraction]), grid.world)
             loss_value, norm_value = loss_sum.item() / tokens_per_step, grad_norm.item()
             step_time = time.perf_counter() - t0
             tflops = flops_per_step / world / step_time / 1e12
@@ -103,6 +110,8 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
                 "tokens_per_s": tokens_per_step / step_time, "model_tflops_per_device": tflops,
                 "mfu": mfu(tflops * 1e12, peak), "peak_mem_bytes": int(worst[0]), "data_wait_s": float(worst[1]),
                 "tp_comm_bytes": grid.tp.stats.total_bytes - tp_bytes0,
+                "pp_idle_s": float(worst[2]), "pp_idle_fraction": float(worst[3]),
+                "pp_bubble_theory": bubble,
             }
             metrics.write(last)
             status.update(step, loss_value, last["tokens_per_s"], last["mfu"])

@@ -32,7 +32,7 @@ def lr_at(step: int, tcfg) -> float:
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
 
 
-def global_grad_norm(model: nn.Module, groups: list) -> torch.Tensor:
+def global_grad_norm(model: nn.Module, groups: list, exclude: tuple = ()) -> torch.Tensor:
     """L2 norm of the whole model's gradient, each logical element counted once.
 
     A module's parameters listed in its `shard_specs` are split over its `shard_group`: their
@@ -43,7 +43,9 @@ def global_grad_norm(model: nn.Module, groups: list) -> torch.Tensor:
     device = next(model.parameters()).device
     replicated = torch.zeros((), dtype=torch.float32, device=device)
     per_group: dict[str, list] = {}
-    seen: set[int] = set()  # a tied weight belongs to two modules: count it once
+    # A tied weight belongs to two modules, and a pipeline's last stage holds a copy of the
+    # first stage's embedding (`exclude`): each is counted once.
+    seen: set[int] = {id(p) for p in exclude}
     for module in model.modules():
         specs, group = getattr(module, "shard_specs", {}), getattr(module, "shard_group", None)
         for pname, p in module.named_parameters(recurse=False):

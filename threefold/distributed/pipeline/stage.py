@@ -1,0 +1,61 @@
+"""This rank's pipeline stage: its model chunks, its schedule, its executor, and the tied
+embedding that the first and last stages share."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from threefold.distributed.grid import Grid
+from threefold.distributed.pipeline.executor import PipelineExecutor, StagePlan
+from threefold.distributed.pipeline.p2p import WireFormat
+from threefold.distributed.pipeline.partition import stage_layer_ids
+from threefold.distributed.pipeline.schedules import build_schedule
+from threefold.distributed.pipeline.weight_grad import WeightGradStore, attach_weight_grad_store
+
+
+def build_stage(cfg, grid: Grid, device: torch.device, build_chunk) -> tuple[list[nn.Module], PipelineExecutor]:
+    """`build_chunk(layer_ids, first, last)` builds one materialized, initialized chunk."""
+    p, v = cfg.parallel.pp, cfg.parallel.vpp
+    stages = stage_layer_ids(cfg.model, p, v, cfg.parallel.stage_layers)
+    chunks, first, last = [], [], []
+    for c in range(v):
+        s = c * p + grid.pp_rank
+        first.append(s == 0)
+        last.append(s == p * v - 1)
+        chunks.append(build_chunk(stages[s], first[-1], last[-1]))
+    m = cfg.parallel.microbatches
+    seq = cfg.model.seq_len // (cfg.parallel.tp if cfg.parallel.sp else 1)
+    wire = WireFormat((seq, cfg.train.micro_batch, cfg.model.hidden), torch.float32, device)
+    store = None
+    if cfg.parallel.schedule == "zb":
+        store = WeightGradStore()
+        attach_weight_grad_store(chunks, store)
+    actions = build_schedule(cfg.parallel.schedule, p, m, v)[grid.pp_rank]
+    return chunks, PipelineExecutor(StagePlan(chunks, first, last, wire, grid.pp), actions, store)
+
+
+def tied_head_weights(chunks: list[nn.Module], cfg, grid: Grid) -> list[nn.Parameter]:
+    """The embedding (first stage) or its copy in the head (last stage), when the two live on
+    different pipeline ranks; empty otherwise."""
+    if not cfg.model.tie_embeddings or grid.layout.pp == 1:
+        return []
+    out = []
+    for chunk in chunks:
+        if chunk.tok_embed is not None:
+            out.append(chunk.tok_embed.weight)
+        if chunk.head is not None and chunk.tok_embed is None:
+            out.append(chunk.head.weight)
+    return out
+
+
+def sync_tied_embedding_grads(chunks: list[nn.Module], cfg, grid: Grid) -> None:
+    """Sum the gradient of the shared embedding over the first and last pipeline stages, so the
+    two copies take identical optimizer steps and stay equal (as in Megatron)."""
+    weights = tied_head_weights(chunks, cfg, grid)
+    if not weights:
+        return
+    for w in weights:
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        dist.all_reduce(w.grad, group=grid.embed.pg)
