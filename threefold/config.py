@@ -108,7 +108,8 @@ class CheckpointConfig:
 
     dir: str = knob("", "Checkpoint directory ('' = no checkpoints)")
     interval: int = knob(0, "Save every N steps (0 = only at the end when dir is set)")
-    resume: str = knob("", "'' = start fresh, 'auto' = newest complete checkpoint, or a path")
+    resume: str = knob("", "'' = start fresh, 'auto' = newest verified checkpoint in dir (if any), or a path")
+    keep: int = knob(3, "Keep the newest N checkpoints (0 = all); the newest verified one is never deleted")
 
 
 @dataclass

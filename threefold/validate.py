@@ -96,9 +96,14 @@ def _not_yet(cfg: Config) -> None:
     for key, value, ok in (("parallel.zero", p.zero, 0), ("parallel.ep", p.ep, 1)):
         if value != ok:
             raise ConfigError(key, f"{value} is not supported by this version of threefold", f"valid: {ok}")
-    for key in ("dir", "resume"):
-        if getattr(cfg.checkpoint, key):
-            raise ConfigError(f"checkpoint.{key}", "checkpoints are not supported by this version", "leave it empty")
+    c = cfg.checkpoint
+    if c.resume == "auto" and not c.dir:
+        raise ConfigError("checkpoint.resume", "'auto' looks for checkpoints in checkpoint.dir, which is empty",
+                          "set --checkpoint.dir DIR or resume from a path")
+    if c.interval and not c.dir:
+        raise ConfigError("checkpoint.interval", f"{c.interval} needs checkpoint.dir", "set --checkpoint.dir DIR")
+    if c.keep < 0:
+        raise ConfigError("checkpoint.keep", f"must be >= 0, got {c.keep}")
 
 
 def validate_train(cfg: Config) -> None:

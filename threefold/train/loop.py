@@ -9,6 +9,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from threefold.checkpoint import find_resumable, load_into, open_checkpoint, save, set_optimizer_step, training_state
 from threefold.data import GlobalBatchSampler, Prefetcher, load_tokens
 from threefold.distributed.comm import all_reduce_gradients, all_reduce_max, all_reduce_sum
 from threefold.distributed.grid import Grid
@@ -47,6 +48,27 @@ def open_data(cfg):
     return tokens, sampler
 
 
+def _quiet(*_args) -> None:
+    pass
+
+
+def resume(cfg, state, optimizer, log) -> int:
+    """Load the checkpoint `checkpoint.resume` names (if any) into this rank's slices; returns
+    the step to continue from. The data order and LR schedule are functions of the step."""
+    c = cfg.checkpoint
+    if not c.resume:
+        return 0
+    found = find_resumable(c.dir, warn=log) if c.resume == "auto" else open_checkpoint(c.resume)
+    if found is None:
+        log(f"threefold: no checkpoint in {c.dir} yet: starting at step 0")
+        return 0
+    directory, manifest = found
+    load_into(state, directory, manifest)
+    set_optimizer_step(optimizer, manifest.extra["optimizer_step"])
+    log(f"threefold: resumed from {directory} at step {manifest.step}")
+    return manifest.step
+
+
 def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
     m, t = cfg.model, cfg.train
     is_logger = grid.global_rank == 0
@@ -55,6 +77,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
     model = nn.ModuleList(chunks)  # this rank's pipeline chunks (one without pipelining)
     tied_copy = [w for c in chunks if c.tok_embed is None for w in tied_head_weights([c], cfg, grid)]
     optimizer = build_optimizer(model, t)
+    state = training_state(chunks, optimizer, grid, aliases={id(w): "tok_embed.weight" for w in tied_copy})
     tokens, sampler = open_data(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -65,7 +88,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
     world = grid.layout.world_size
     p = cfg.parallel
     bubble = bubble_theory(p.schedule, p.pp, p.microbatches, p.vpp) if p.pp > 1 else 0.0
-    start_step = 0
+    start_step = resume(cfg, state, optimizer, log if is_logger else _quiet)
     metrics = MetricsWriter(cfg.log.dir, enabled=is_logger, append=start_step > 0)
     if is_logger:
         write_run_json(cfg.log.dir, cfg.to_dict(), grid.describe(), device=device,
@@ -115,5 +138,8 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
             }
             metrics.write(last)
             status.update(step, loss_value, last["tokens_per_s"], last["mfu"])
+            c = cfg.checkpoint
+            if c.dir and ((c.interval and (step + 1) % c.interval == 0) or step + 1 == t.steps):
+                save(c.dir, step + 1, state, cfg.to_dict(), grid.describe(), {"optimizer_step": step + 1}, c.keep)
     metrics.close()
     return last
