@@ -1,0 +1,116 @@
+"""Checkpoints: exact resume, resharding between layouts, crash safety, corruption, bad input."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from harness import max_loss_delta, run_training, run_training_many
+from threefold.checkpoint import CheckpointError, find_resumable, list_checkpoints, open_checkpoint
+
+BASE = {"train.steps": 10, "train.seed": 0}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, cache_dir):
+    return run_training(BASE, tmp_path_factory.mktemp("straight"), cache_dir)
+
+
+def _keep_only_step5(ckpt):
+    shutil.rmtree(ckpt / "step_00000010")
+    (ckpt / "latest").write_text("step_00000005\n")
+
+
+def test_resume_is_bitwise_exact(straight, tmp_path, cache_dir):
+    ckpt = tmp_path / "ckpt"
+    first = run_training({**BASE, "checkpoint.dir": ckpt, "checkpoint.interval": 5}, tmp_path / "a", cache_dir)
+    assert [r["loss"] for r in first] == [r["loss"] for r in straight]
+    _keep_only_step5(ckpt)
+    resumed = run_training({**BASE, "checkpoint.dir": ckpt, "checkpoint.resume": "auto"}, tmp_path / "b", cache_dir)
+    assert [r["step"] for r in resumed] == list(range(6, 11))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[5:]]
+
+
+@pytest.fixture(scope="module")
+def saved_layouts(tmp_path_factory, cache_dir):
+    """Step-5 checkpoints written by three 4-rank layouts."""
+    root = tmp_path_factory.mktemp("layouts")
+    layouts = {"tp2-pp2": {"parallel.tp": 2, "parallel.pp": 2},
+               "dp4": {"parallel.dp": 4},
+               "tp2-dp2-sp": {"parallel.tp": 2, "parallel.dp": 2, "parallel.sp": "true"}}
+    runs = {name: {**BASE, **over, "train.steps": 5, "checkpoint.dir": root / name / "ckpt"}
+            for name, over in layouts.items()}
+    run_training_many(runs, root, cache_dir, world=4)
+    return {name: root / name / "ckpt" for name in layouts}
+
+
+@pytest.mark.parametrize("source, target", [
+    ("tp2-pp2", {"parallel.dp": 4}),
+    ("dp4", {"parallel.tp": 2, "parallel.dp": 2, "parallel.sp": "true"}),
+    ("tp2-dp2-sp", {"parallel.tp": 2, "parallel.pp": 2}),
+])
+def test_checkpoint_loads_into_another_layout(source, target, saved_layouts, straight, tmp_path, cache_dir):
+    runs = {"resumed": {**BASE, **target, "checkpoint.resume": saved_layouts[source]}}
+    resumed = run_training_many(runs, tmp_path, cache_dir, world=4)["resumed"]
+    assert [r["step"] for r in resumed] == list(range(6, 11))
+    assert max_loss_delta(straight[5:], resumed) < 1e-5
+
+
+def test_one_process_loads_a_four_rank_checkpoint(saved_layouts, straight, tmp_path, cache_dir):
+    resumed = run_training({**BASE, "checkpoint.resume": saved_layouts["tp2-pp2"]}, tmp_path, cache_dir)
+    assert max_loss_delta(straight[5:], resumed) < 1e-5
+
+
+def test_crash_during_save_leaves_previous_checkpoint(saved_layouts, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved_layouts["dp4"], ckpt)
+    # A save that died half-way: its temporary directory exists, without a manifest.
+    partial = ckpt / "step_00000009.tmp"
+    partial.mkdir()
+    (partial / "rank00000.pt").write_bytes(b"half a file")
+    directory, manifest = find_resumable(ckpt)
+    assert directory.name == "step_00000005" and manifest.step == 5
+    assert [p.name for p in list_checkpoints(ckpt)] == ["step_00000005"]
+
+
+def test_corrupted_shard_is_reported_and_the_previous_used(saved_layouts, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved_layouts["dp4"] / "step_00000005", ckpt / "step_00000005")
+    shutil.copytree(saved_layouts["dp4"] / "step_00000005", ckpt / "step_00000007")
+    manifest = json.loads((ckpt / "step_00000007" / "manifest.json").read_text())
+    manifest["step"] = 7
+    (ckpt / "step_00000007" / "manifest.json").write_text(json.dumps(manifest))
+    shard = ckpt / "step_00000007" / "rank00000.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    warnings = []
+    directory, found = find_resumable(ckpt, warn=warnings.append)
+    assert directory.name == "step_00000005"
+    assert len(warnings) == 1 and "checksum mismatch" in warnings[0] and "step_00000007" in warnings[0]
+    (ckpt / "step_00000005" / "rank00000.pt").unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        open_checkpoint(ckpt / "step_00000005")
+
+
+def _cli(args, cache_dir):
+    return subprocess.run([sys.executable, "-m", "threefold", "train", "--data.cache_dir", cache_dir, *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_not_a_checkpoint_is_one_line_and_touches_nothing(tmp_path, cache_dir):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = _cli(["--checkpoint.resume", str(empty), "--log.dir", str(tmp_path / "run")], cache_dir)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "neither a checkpoint" in out.stderr and list(empty.iterdir()) == []
+
+
+def test_checkpoint_of_another_model_shape_is_one_line(saved_layouts, tmp_path, cache_dir):
+    before = sorted(p.name for p in saved_layouts["dp4"].iterdir())
+    out = _cli(["--checkpoint.resume", str(saved_layouts["dp4"]), "--model.hidden", "256",
+                "--log.dir", str(tmp_path / "run")], cache_dir)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "has shape" in out.stderr
+    assert sorted(p.name for p in saved_layouts["dp4"].iterdir()) == before
