@@ -114,3 +114,17 @@ def test_checkpoint_of_another_model_shape_is_one_line(saved_layouts, tmp_path, 
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "has shape" in out.stderr
     assert sorted(p.name for p in saved_layouts["dp4"].iterdir()) == before
+
+
+def test_info_and_export(saved_layouts, tmp_path):
+    info = subprocess.run([sys.executable, "-m", "threefold", "checkpoint", "info", str(saved_layouts["tp2-pp2"])],
+                          capture_output=True, text=True, timeout=60)
+    assert info.returncode == 0, info.stderr
+    assert "step        5" in info.stdout and "tp=2 pp=2 dp=1" in info.stdout and "verified" in info.stdout
+    safetensors = pytest.importorskip("safetensors.torch")
+    out = tmp_path / "export"
+    done = subprocess.run([sys.executable, "-m", "threefold", "checkpoint", "export", str(saved_layouts["tp2-pp2"]),
+                           str(out)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    weights = safetensors.load_file(str(out / "model.safetensors"))
+    assert weights["tok_embed.weight"].shape == (256, 128) and weights["layers.3.mlp.w2.weight"].shape == (128, 352)

@@ -27,7 +27,19 @@ def _train(argv: list[str]) -> int:
     return run_train(cfg)
 
 
-COMMANDS = {"train": _train}
+def _plan(argv: list[str]) -> int:
+    from threefold.planner.command import plan_command
+
+    return plan_command(argv)
+
+
+def _checkpoint(argv: list[str]) -> int:
+    from threefold.checkpoint.command import checkpoint_command
+
+    return checkpoint_command(argv)
+
+
+COMMANDS = {"train": _train, "plan": _plan, "checkpoint": _checkpoint}
 
 
 def main(argv: list[str] | None = None) -> int:

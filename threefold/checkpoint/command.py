@@ -1,0 +1,74 @@
+"""`threefold checkpoint info DIR` and `threefold checkpoint export DIR OUT`."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from threefold.checkpoint.io import open_checkpoint
+from threefold.checkpoint.manifest import CheckpointError, Manifest
+from threefold.errors import UserError
+
+
+def consolidated(directory: Path, manifest: Manifest, prefix: str = "model/") -> dict[str, torch.Tensor]:
+    """Every logical tensor under `prefix`, assembled whole from its shards."""
+    files: dict[str, dict] = {}
+    out = {}
+    for name, entry in sorted(manifest.tensors.items()):
+        if not name.startswith(prefix):
+            continue
+        full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+        for shard in entry.shards:
+            if shard.file not in files:
+                files[shard.file] = torch.load(directory / shard.file, map_location="cpu", mmap=True, weights_only=True)
+            region = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.lengths))
+            full[region] = files[shard.file][shard.key]
+        out[name[len(prefix):]] = full
+    return out
+
+
+def _info(args) -> int:
+    directory, manifest = open_checkpoint(args.path)
+    size = sum(meta["bytes"] for meta in manifest.files.values())
+    lay = manifest.layout
+    params = sum(torch.Size(e.shape).numel() for n, e in manifest.tensors.items() if n.startswith("model/"))
+    print(f"checkpoint  {directory}")
+    print(f"step        {manifest.step}")
+    print(f"layout      tp={lay.get('tp')} pp={lay.get('pp')} dp={lay.get('dp')} ({lay.get('world_size')} ranks)")
+    print(f"model       {manifest.config['model']['preset']} {params:,} parameters")
+    print(f"files       {len(manifest.files)} shard files, {size / 2**20:.1f} MiB, checksums verified")
+    return 0
+
+
+def _export(args) -> int:
+    directory, manifest = open_checkpoint(args.path)
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise UserError("checkpoint export writes safetensors: install it with "
+                        "`pip install safetensors` (or the [safetensors] extra)") from None
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out}: exists and is not empty (refusing to overwrite)")
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = consolidated(directory, manifest)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"step": str(manifest.step), "format": "threefold"})
+    import json
+
+    (out / "config.json").write_text(json.dumps(manifest.config, indent=1))
+    print(f"exported {len(tensors)} tensors of step {manifest.step} to {out / 'model.safetensors'}")
+    return 0
+
+
+def checkpoint_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="threefold checkpoint")
+    sub = parser.add_subparsers(dest="action", required=True)
+    info = sub.add_parser("info", help="layout, step, size; verifies every checksum")
+    info.add_argument("path", help="a checkpoint directory, or checkpoint.dir (its newest checkpoint)")
+    export = sub.add_parser("export", help="one consolidated safetensors file of the model weights")
+    export.add_argument("path")
+    export.add_argument("out")
+    args = parser.parse_args(argv)
+    return _info(args) if args.action == "info" else _export(args)
