@@ -1,0 +1,143 @@
+"""Planner calibration on CPU: train a matrix of layouts, fit on two runs, predict the rest.
+
+    python bench/planner_calibration.py                      # the whole matrix, fresh runs
+    python bench/planner_calibration.py --reuse              # keep run directories that finished
+    python bench/planner_calibration.py --only dp            # the data-parallel layouts only
+
+Each layout runs `threefold train` for a few steps into <out>/<name> (run.json + metrics.jsonl).
+A layout `threefold train` refuses (a dimension not wired into the loop yet) is skipped with
+its one-line reason. The planner is then calibrated on the two runs named by --calibrate-on
+(default: the 1-process run, which fixes compute, and dp=4, which adds gradient all-reduce) and
+predicts every run's median step time; the table marks errors over 25%.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# (name, dp, tp, pp): dp/tp/pp combinations of 1..4 on 1, 4 and 8 processes.
+MATRIX = [
+    ("dp1", 1, 1, 1), ("dp2", 2, 1, 1), ("dp4", 4, 1, 1), ("dp8", 8, 1, 1),
+    ("tp2dp2", 2, 2, 1), ("tp4", 1, 4, 1), ("tp2dp4", 4, 2, 1),
+    ("pp2dp2", 2, 1, 2), ("pp4", 1, 1, 4), ("tp2pp2dp2", 2, 2, 2),
+]
+
+
+def run_layout(out: Path, name: str, dp: int, tp: int, pp: int, args) -> tuple[str, str]:
+    """('ok' | 'skipped' | 'failed', detail)."""
+    run_dir = out / name
+    if args.reuse and (run_dir / "metrics.jsonl").is_file():
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        if len(lines) >= args.steps:
+            return "ok", "reused"
+    if run_dir.exists():
+        for f in run_dir.iterdir():
+            if f.is_file():
+                f.unlink()
+    cmd = [sys.executable, "-m", "threefold", "train", "--model.preset", args.preset,
+           "--parallel.dp", str(dp), "--parallel.tp", str(tp), "--parallel.pp", str(pp),
+           "--train.steps", str(args.steps), "--train.global_batch", str(args.global_batch),
+           "--train.micro_batch", str(args.micro_batch), "--train.warmup_steps", "1",
+           "--log.dir", str(run_dir), "--log.quiet", "true", "--data.prefetch", "0"]
+    if args.seq_len:
+        cmd += ["--model.seq_len", str(args.seq_len)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return "failed", f"timed out after {args.timeout} s"
+    if proc.returncode == 2:
+        return "skipped", proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "refused"
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return "failed", f"exit {proc.returncode}: {tail}"
+    return "ok", f"{time.perf_counter() - t0:.0f} s wall"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/planner_calibration", help="directory for the run directories")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--seq-len", type=int, default=0, help="override model.seq_len (0 = the preset's)")
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per training run")
+    ap.add_argument("--only", choices=("dp", "tp", "pp"), help="run only layouts using this dimension (dp: dp-only)")
+    ap.add_argument("--names", default="", help="comma-separated run names of the matrix to run (default: all)")
+    ap.add_argument("--host-cores", type=int, default=0,
+                    help="cores the processes really get (default: run.json's; less when the machine is shared)")
+    ap.add_argument("--calibrate-on", default="dp1,dp4", help="two run names to fit on")
+    ap.add_argument("--fit", default="", help="parameters to fit (default: chosen by the planner)")
+    ap.add_argument("--reuse", action="store_true", help="keep finished run directories")
+    ap.add_argument("--no-train", action="store_true", help="only calibrate on what is already in --out")
+    args = ap.parse_args()
+
+    out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    matrix = MATRIX
+    if args.only == "dp":
+        matrix = [m for m in MATRIX if m[2] == 1 and m[3] == 1]
+    elif args.only == "tp":
+        matrix = [m for m in MATRIX if m[2] > 1 or m[0] == "dp1"]
+    elif args.only == "pp":
+        matrix = [m for m in MATRIX if m[3] > 1 or m[0] == "dp1"]
+    if args.names:
+        keep = set(args.names.split(","))
+        matrix = [m for m in matrix if m[0] in keep]
+    status: dict[str, tuple[str, str]] = {}
+    for name, dp, tp, pp in matrix:
+        if args.no_train:
+            ok = (out / name / "metrics.jsonl").is_file()
+            status[name] = ("ok", "existing") if ok else ("skipped", "no run directory")
+        else:
+            status[name] = run_layout(out, name, dp, tp, pp, args)
+        print(f"{name:12} {status[name][0]:8} {status[name][1]}", flush=True)
+
+    from threefold.planner.calibrate import fit, load_run
+    from threefold.planner.cluster import build_cluster
+    from threefold.planner.report import calibration_text
+
+    done = {name: load_run(str(out / name)) for name, (state, _) in status.items() if state == "ok"}
+    calib = [n.strip() for n in args.calibrate_on.split(",")]
+    missing = [n for n in calib if n not in done]
+    if missing:
+        print(f"cannot calibrate: runs {', '.join(missing)} did not finish", file=sys.stderr)
+        return 1
+    # Peak and cores come from each run's run.json; the rest of the cpu profile are priors.
+    given = {"device": "cpu", "peak_tflops": done[calib[0]].peak_flops / 1e12}
+    if args.host_cores:
+        given["host_cores"] = args.host_cores
+    base = build_cluster(given)
+    free = [s for s in args.fit.split(",") if s] or None
+    cal = fit([done[n] for n in calib], base, free, [r for n, r in done.items() if n not in calib],
+              explicit={"host_cores"} if args.host_cores else set())
+    print()
+    print(calibration_text(cal))
+    print()
+    print("| run | dp | tp | pp | processes | measured s | predicted s | error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in cal.rows:
+        if row.category != "step":
+            continue
+        lay = row.run.layout
+        err = row.fitted / row.measured - 1
+        flag = " (calibration)" if not row.held_out else (" **over 25%**" if abs(err) > 0.25 else "")
+        print(f"| {row.run.name}{flag} | {lay.dp} | {lay.tp} | {lay.pp} | {lay.world} | {row.measured:.3f} | "
+              f"{row.fitted:.3f} | {err:+.1%} |")
+    for name, (state, detail) in status.items():
+        if state != "ok":
+            print(f"| {name} | | | | | {state}: {detail} | | |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""The machine a plan is for: device profile, node shape, links, and the efficiency parameters.
+
+A `Cluster` is built from a named hardware profile (`PROFILES`), then a user TOML profile
+(`--cluster.profile FILE`, a `[cluster]` table of the same keys), then `--cluster.KEY VALUE`
+overrides, each later one winning. The efficiency parameters (compute_efficiency, bandwidths,
+latencies, overheads) are priors: `threefold plan --calibrate RUN_DIR...` fits them to measured
+runs and `--save-profile FILE` writes the result as a profile for the next plan.
+
+Units: bandwidths in GB/s (10^9 bytes per second, one direction, per device, as the "bus
+bandwidth" nccl-tests reports), latencies in microseconds, memory in GiB.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from threefold.config import knob
+from threefold.errors import ConfigError
+
+GiB = float(1 << 30)
+
+
+@dataclass
+class Cluster:
+    """Devices, how they are connected, and how fast the implementation runs on them."""
+
+    profile: str = knob("", "TOML file with a [cluster] table of these keys ('' = the device's built-in profile)")
+    device: str = knob("h100", "Hardware profile: a100-40gb, a100-80gb, h100, h200, cpu")
+    devices_per_node: int = knob(0, "Devices per node, the fast-link domain (0 = the profile's: 8 GPUs, or cpu cores)")
+    nodes: int = knob(1, "Number of nodes")
+    peak_tflops: float = knob(0.0, "Dense peak TFLOP/s per device in the training dtype (0 = table; cpu: measured)")
+    memory_gib: float = knob(0.0, "Device memory in GiB (0 = the profile's; cpu: host RAM / devices_per_node)")
+    reserved_gib: float = knob(0.0, "Memory the model cannot use: runtime context, comm buffers, fragmentation")
+    mem_bw_gbps: float = knob(0.0, "Device memory bandwidth in GB/s (the optimizer step is bound by it)")
+    intra_bw_gbps: float = knob(0.0, "Per-device bus bandwidth reached inside a node, GB/s one way (NVLink; cpu: gloo)")
+    inter_bw_gbps: float = knob(0.0, "Per-device bus bandwidth reached between nodes, GB/s one way (its share of NICs)")
+    intra_latency_us: float = knob(0.0, "Latency of one ring step inside a node, microseconds")
+    inter_latency_us: float = knob(0.0, "Latency of one ring step between nodes, microseconds")
+    compute_efficiency: float = knob(0.0, "Fraction of peak the model's matmuls reach (0 = the profile's prior)")
+    layer_overhead_us: float = knob(-1.0, "Time per layer and micro-batch, fwd + bwd: launches, Python (-1 = profile)")
+    step_overhead_s: float = knob(-1.0, "Fixed time per step outside the model: data, logging, sync (-1 = profile)")
+    dp_overlap: float = knob(-1.0, "Fraction of DP/ZeRO communication hidden under backward (-1 = profile; 0 = none)")
+    tp_overlap: float = knob(-1.0, "Fraction of TP/SP communication hidden under compute (-1 = profile; 0 = none)")
+    allow_tp_across_nodes: bool = knob(False, "Let a tensor-parallel group span nodes (over the inter-node link)")
+    host_cores: int = knob(0, "cpu: cores the node's processes share; fewer than processes slows each (0 = no sharing)")
+
+    @property
+    def world(self) -> int:
+        return self.devices_per_node * self.nodes
+
+    @property
+    def peak_flops(self) -> float:
+        """Peak FLOP/s one device gets, after sharing the host's cores (cpu)."""
+        share = 1.0
+        if self.host_cores > 0 and self.devices_per_node > self.host_cores:
+            share = self.host_cores / self.devices_per_node
+        return self.peak_tflops * 1e12 * share
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.memory_gib - self.reserved_gib) * GiB
+
+    def label(self) -> str:
+        return f"{self.nodes} x {self.devices_per_node} {self.device}"
+
+
+# Datasheet numbers, and priors for the efficiency parameters (calibrate them: docs/planner.md).
+# Bandwidths are what NCCL reaches, not the link's nominal rate: NVLink3 300 GB/s -> ~235,
+# NVLink4 450 -> ~360; one 200 Gb/s HDR NIC per GPU -> ~23 GB/s, 400 Gb/s NDR -> ~45.
+_GPU_COMMON = dict(reserved_gib=3.0, intra_latency_us=5.0, inter_latency_us=10.0, layer_overhead_us=10.0,
+                   step_overhead_s=0.01, dp_overlap=0.0, tp_overlap=0.0, devices_per_node=8)
+PROFILES: dict[str, dict[str, Any]] = {
+    "a100-40gb": dict(_GPU_COMMON, peak_name="NVIDIA A100-SXM4-40GB", memory_gib=40.0, mem_bw_gbps=1555.0,
+                      intra_bw_gbps=235.0, inter_bw_gbps=23.0, compute_efficiency=0.7),
+    "a100-80gb": dict(_GPU_COMMON, peak_name="NVIDIA A100-SXM4-80GB", memory_gib=80.0, mem_bw_gbps=2039.0,
+                      intra_bw_gbps=235.0, inter_bw_gbps=23.0, compute_efficiency=0.7),
+    "h100": dict(_GPU_COMMON, peak_name="NVIDIA H100 80GB HBM3", memory_gib=80.0, mem_bw_gbps=3350.0,
+                 intra_bw_gbps=360.0, inter_bw_gbps=45.0, compute_efficiency=0.6),
+    "h200": dict(_GPU_COMMON, peak_name="NVIDIA H200", memory_gib=140.0, mem_bw_gbps=4800.0,
+                 intra_bw_gbps=360.0, inter_bw_gbps=45.0, compute_efficiency=0.62),
+    # CPU: the peak is measured (observe.peak, one thread per process), memory is the host's
+    # RAM shared by the processes, and gloo over shared memory/loopback is the "link".
+    "cpu": dict(peak_name="cpu", reserved_gib=0.5, mem_bw_gbps=5.0, intra_bw_gbps=1.0, inter_bw_gbps=0.1,
+                intra_latency_us=100.0, inter_latency_us=200.0, compute_efficiency=0.5, layer_overhead_us=1000.0,
+                step_overhead_s=0.01, dp_overlap=0.0, tp_overlap=0.0),
+}
+ALIASES = {"a100": "a100-80gb", "a100-80g": "a100-80gb", "a100-40g": "a100-40gb", "h100-sxm": "h100",
+           "h100-80gb": "h100", "h200-sxm": "h200"}
+_FROM_PROFILE_IF = {"devices_per_node": 0, "peak_tflops": 0.0, "memory_gib": 0.0, "reserved_gib": 0.0,
+                    "mem_bw_gbps": 0.0, "intra_bw_gbps": 0.0, "inter_bw_gbps": 0.0, "intra_latency_us": 0.0,
+                    "inter_latency_us": 0.0, "compute_efficiency": 0.0, "layer_overhead_us": -1.0,
+                    "step_overhead_s": -1.0, "dp_overlap": -1.0, "tp_overlap": -1.0}
+
+FIELDS = {f.name: f for f in dataclasses.fields(Cluster)}
+_TYPES = typing.get_type_hints(Cluster)
+
+
+def _coerce(key: str, raw: Any) -> Any:
+    kind = _TYPES[key]
+    try:
+        if kind is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"cluster.{key}", f"{raw!r} is not a valid {kind.__name__}") from None
+
+
+def _check_key(key: str, where: str) -> None:
+    if key not in FIELDS:
+        import difflib
+
+        close = difflib.get_close_matches(key, list(FIELDS), n=1)
+        hint = f"did you mean 'cluster.{close[0]}'?" if close else "valid: " + ", ".join(FIELDS)
+        raise ConfigError(f"{where}{key}", "unknown cluster key", hint)
+
+
+def read_profile(path: str) -> dict[str, Any]:
+    """The [cluster] table of a profile TOML file, keys checked."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("cluster.profile", f"file {path} does not exist")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError("cluster.profile", f"{path} is not valid TOML: {err}") from None
+    table = data.get("cluster")
+    if not isinstance(table, dict):
+        raise ConfigError("cluster.profile", f"{path} has no [cluster] table", "write the keys under [cluster]")
+    for key in table:
+        _check_key(key, f"{path}: cluster.")
+        if key == "profile":
+            raise ConfigError(f"{path}: cluster.profile", "a profile cannot name another profile")
+    return table
+
+
+def device_name(raw: str) -> str:
+    name = ALIASES.get(raw.lower(), raw.lower())
+    if name not in PROFILES:
+        raise ConfigError("cluster.device", f"unknown device {raw!r}",
+                          "valid: " + ", ".join(PROFILES) + ", or --cluster.profile FILE with your own numbers")
+    return name
+
+
+def build_cluster(overrides: dict[str, Any] | list[tuple[str, Any]] = (), cache_dir: str = "") -> Cluster:
+    """Profile <- TOML profile file <- overrides (keys without the 'cluster.' prefix)."""
+    pairs = list(overrides.items()) if isinstance(overrides, dict) else list(overrides)
+    for key, _ in pairs:
+        _check_key(key, "cluster.")
+    given = {k: _coerce(k, v) for k, v in pairs}
+    from_file = read_profile(given["profile"]) if given.get("profile") else {}
+    values: dict[str, Any] = {k: _coerce(k, v) for k, v in from_file.items()}
+    values.update(given)
+    cluster = Cluster(**values)
+    cluster.device = device_name(cluster.device)
+    _fill_from_profile(cluster, cache_dir)
+    check_cluster(cluster)
+    return cluster
+
+
+def _fill_from_profile(c: Cluster, cache_dir: str) -> None:
+    prof = PROFILES[c.device]
+    for key, unset in _FROM_PROFILE_IF.items():
+        if getattr(c, key) == unset and key in prof:
+            setattr(c, key, prof[key])
+    if c.device == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if c.devices_per_node == 0:
+            c.devices_per_node = cores
+        if c.host_cores == 0:
+            c.host_cores = cores
+        if c.memory_gib == 0.0:
+            c.memory_gib = _host_ram_bytes() / GiB / c.devices_per_node
+        if c.peak_tflops == 0.0:
+            c.peak_tflops = measured_cpu_peak(cache_dir) / 1e12
+    elif c.peak_tflops == 0.0:
+        c.peak_tflops = gpu_peak(prof["peak_name"]) / 1e12
+
+
+def gpu_peak(name: str, dtype: str = "bf16") -> float:
+    """Dense peak from observe.peak's datasheet table, the one the metrics' MFU uses."""
+    import torch
+
+    from threefold.observe.peak import cuda_peak_flops
+
+    peak = cuda_peak_flops(name, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+    if peak is None:
+        raise ConfigError("cluster.peak_tflops", f"no {dtype} peak for {name} in the peak table", "set it explicitly")
+    return peak
+
+
+def measured_cpu_peak(cache_dir: str = "", threads: int = 1) -> float:
+    """fp32 matmul FLOP/s of one thread, measured once and cached by observe.peak."""
+    import torch
+
+    from threefold.observe.peak import cpu_peak_flops
+
+    return cpu_peak_flops(torch.float32, threads=threads, cache_dir=cache_dir)
+
+
+def _host_ram_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * GiB
+
+
+def check_cluster(c: Cluster) -> None:
+    """One line naming the first key that makes the cluster impossible."""
+    if c.nodes < 1:
+        raise ConfigError("cluster.nodes", f"must be >= 1, got {c.nodes}")
+    if c.devices_per_node < 1:
+        raise ConfigError("cluster.devices_per_node", f"must be >= 1, got {c.devices_per_node}")
+    for key in ("peak_tflops", "memory_gib", "mem_bw_gbps", "intra_bw_gbps", "inter_bw_gbps"):
+        if getattr(c, key) <= 0:
+            raise ConfigError(f"cluster.{key}", f"must be > 0, got {getattr(c, key)}")
+    if not 0 < c.compute_efficiency <= 1:
+        raise ConfigError("cluster.compute_efficiency", f"{c.compute_efficiency} is outside (0, 1]")
+    for key in ("dp_overlap", "tp_overlap"):
+        if not 0 <= getattr(c, key) <= 1:
+            raise ConfigError(f"cluster.{key}", f"{getattr(c, key)} is outside [0, 1]")
+    for key in ("reserved_gib", "intra_latency_us", "inter_latency_us", "layer_overhead_us", "step_overhead_s"):
+        if getattr(c, key) < 0:
+            raise ConfigError(f"cluster.{key}", f"must be >= 0, got {getattr(c, key)}")
+    if c.reserved_gib >= c.memory_gib:
+        raise ConfigError("cluster.reserved_gib", f"{c.reserved_gib} GiB leaves nothing of {c.memory_gib} GiB",
+                          "set it below memory_gib")
+
+
+def describe() -> str:
+    lines = ["[cluster]"]
+    for f in dataclasses.fields(Cluster):
+        lines.append(f"  cluster.{f.name} = {f.default!r}  # {f.metadata.get('doc', '')}")
+    lines.append("profiles: " + ", ".join(PROFILES))
+    return "\n".join(lines)
+
+
+def profile_toml(c: Cluster, comment: str = "") -> str:
+    """A [cluster] table that rebuilds `c` (for --save-profile after calibration)."""
+    from threefold.planner.emit import toml_value
+
+    lines = [f"# {line}" for line in comment.splitlines()] + ["[cluster]"]
+    for f in dataclasses.fields(Cluster):
+        if f.name == "profile":
+            continue
+        lines.append(f"{f.name} = {toml_value(getattr(c, f.name))}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,129 @@
+"""Per-device memory of a layout: model state by ZeRO stage, activations by Korthikanti et al.
+
+Model state (parameters, gradients, optimizer) uses the ZeRO paper's formulas as implemented
+in `distributed/data_parallel/memory.py` (`predict_memory`): mixed precision 2P + 2P + 12P,
+ZeRO-1 2P + 2P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N; fp32 training 4P + 4P + 8P with the
+same sharding. P is what one device holds before data-parallel sharding: its pipeline stage's
+layers and embedding/head, divided by tp.
+
+Activations per layer and micro-batch are Korthikanti et al. 2022, Table 2
+(`observe/activations.py`, `korthikanti_layer_bytes`): sbh(34 + 5as/h) without parallelism;
+TP sbh(10 + 24/t + 5as/(ht)); TP+SP sbh/t (34 + 5as/h); selective recompute sbh(10 + 24/t),
+with SP 34sbh/t; full recompute 2sbh. They assume 16-bit activations; fp32 doubles them.
+A rank keeps that for each micro-batch in flight (forward done, backward not yet):
+
+    gpipe: m on every rank         1f1b, zb: min(p, m) on rank 0, 1 on the last rank
+    interleaved (Megatron's warm-up): rank 0 holds min(vm, (v-1)p + 2(p-1) + 1) chunks,
+    the last rank min(vm, (v-1)p + 1), each chunk L/(pv) layers: p(1 + (p-1)/(pv)) stages' worth.
+
+Added on top: the last rank's head (norm and head inputs 4sbh, fp32 logits for the loss
+4sbV/t, per micro-batch in flight there); full recompute's one layer being recomputed at full
+size; ZeRO-3's gathered layer and its prefetch. The report is the worse of rank 0 and the last.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from threefold.planner.layout import Layout
+from threefold.planner.model import ModelShape
+
+ACT_BYTES = {"bf16": 2, "fp32": 4}
+STATE = ("params", "grads", "optimizer")
+
+
+@lru_cache(maxsize=None)
+def _bytes_per_param(dp: int, zero: int, dtype: str) -> tuple[float, float, float]:
+    import torch
+
+    from threefold.distributed.data_parallel.memory import predict_memory
+
+    pred = predict_memory(1, dp, zero, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+    return pred["params"], pred["grads"], pred["optimizer"]
+
+
+def model_state_bytes(numel: float, dp: int, zero: int, dtype: str = "bf16") -> dict[str, float]:
+    """Bytes of parameters, gradients and optimizer state per device for `numel` parameters."""
+    return dict(zip(STATE, (k * numel for k in _bytes_per_param(dp, zero, dtype))))
+
+
+@lru_cache(maxsize=None)
+def _korthikanti(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute: str) -> float:
+    from threefold.observe.activations import korthikanti_layer_bytes
+
+    return korthikanti_layer_bytes(s, b, h, a, t, sp, recompute)
+
+
+def layer_activation_bytes(s: int, b: int, h: int, heads: int, t: int = 1, sp: bool = False,
+                           recompute: str = "none", dtype: str = "bf16") -> float:
+    """Bytes one layer keeps for backward per micro-batch (Korthikanti Table 2, scaled to dtype)."""
+    return _korthikanti(s, b, h, heads, t, sp, recompute) * ACT_BYTES[dtype] / 2
+
+
+def inflight(schedule: str, p: int, m: int, v: int = 1) -> tuple[float, float]:
+    """(rank 0, last rank) activations held at the peak, in whole micro-batches of the rank's layers."""
+    if p == 1:
+        return 1.0, 1.0
+    if schedule == "gpipe":
+        return float(m), float(m)
+    if schedule == "interleaved":
+        return min(v * m, (v - 1) * p + 2 * (p - 1) + 1) / v, min(v * m, (v - 1) * p + 1) / v
+    return float(min(p, m)), 1.0  # 1f1b; zb (ZB-H1) holds what 1F1B holds
+
+
+@dataclass
+class Memory:
+    """Bytes per device on the worse of pipeline rank 0 and the last rank."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    inflight: float
+    """Micro-batches of the rank's layers held at the peak."""
+    rank: str
+    """"first" or "last": which pipeline rank is the worse."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def as_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "buffers": self.buffers, "total": self.total,
+                "inflight_microbatches": self.inflight, "worst_pipeline_rank": self.rank}
+
+
+def device_memory(shape: ModelShape, layout: Layout, global_batch: int, dtype: str = "bf16") -> Memory:
+    t, p, v, b, s = layout.tp, layout.pp, layout.vpp, layout.mbs, shape.seq_len
+    m = layout.microbatches(global_batch)
+    h, V = shape.hidden, shape.vocab
+    split = shape.stage_split(p, v)
+    per_layer = layer_activation_bytes(s, b, h, shape.heads, t, layout.sp, layout.recompute, dtype)
+    first_inflight, last_inflight = inflight(layout.schedule, p, m, v)
+    head_inflight = float(m) if (layout.schedule == "gpipe" and p > 1) else 1.0
+    region = t if layout.sp else 1
+    head_acts = (4 * s * b * h / region) * ACT_BYTES[dtype] / 2 + 4 * s * b * V / t
+    kp = ACT_BYTES[dtype]
+    buffers = 0.0
+    if layout.recompute == "full":
+        buffers += layer_activation_bytes(s, b, h, shape.heads, t, layout.sp, "none", dtype)
+    if layout.zero == 3 and layout.dp > 1:
+        buffers += 2 * shape.layer_params / t * kp
+
+    if p == 1:
+        outside = shape.embed_params + (0 if shape.tied else shape.head_params)
+        ranks = [("first", shape.layers, outside, first_inflight, head_acts)]
+    else:
+        ranks = [("first", split.first_layers, shape.embed_params, first_inflight, 0.0),
+                 ("last", split.last_layers, shape.head_params, last_inflight, head_acts * head_inflight)]
+    worst = None
+    for name, layers, outside, held, extra in ranks:
+        numel = (layers * shape.layer_params + outside) / t
+        state = model_state_bytes(numel, layout.dp, layout.zero, dtype)
+        acts = layers * per_layer * held + extra
+        mem = Memory(state["params"], state["grads"], state["optimizer"], acts, buffers, held, name)
+        if worst is None or mem.total > worst.total:
+            worst = mem
+    return worst

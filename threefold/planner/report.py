@@ -1,0 +1,167 @@
+"""What `threefold plan` prints: the ranked table, the rejections, the calibration table, and JSON."""
+from __future__ import annotations
+
+from threefold.planner.cluster import GiB, Cluster
+from threefold.planner.cost import Prediction
+from threefold.planner.faults import FaultAdvice
+from threefold.planner.model import ModelShape
+from threefold.planner.search import KIND_TITLES, Plan
+
+_SHORT = {"compute": "compute", "recompute": "recompute", "tp_comm": "TP comm", "pp_comm": "PP comm",
+          "dp_comm": "DP comm", "bubble": "bubble", "optimizer": "optimizer", "overhead": "overhead"}
+
+
+def _num(x: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= size:
+            return f"{x / size:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _plural(n: float, word: str) -> str:
+    return f"{n:g} {word}" + ("" if n == 1 else ("es" if word.endswith("ch") else "s"))
+
+
+def _columns(cols, rows, left) -> str:
+    """Aligned text columns; left(i) says which are left-aligned."""
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+
+    def fmt(row) -> str:
+        return "  ".join(v.ljust(w) if left(i) else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
+
+    return "\n".join([fmt(cols)] + [fmt(r) for r in rows])
+
+
+def _model_name(cfg) -> str:
+    from threefold.config import PRESETS
+
+    preset = getattr(cfg, "preset", "")
+    shape = PRESETS.get(preset, {})
+    if shape and all(getattr(cfg, k, v) == v for k, v in shape.items()):
+        return preset
+    return f"{preset} with changed shape" if preset else "custom"
+
+
+def header(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str) -> str:
+    cfg = shape.cfg
+    name = _model_name(cfg)
+    return (f"model {name}: {_num(shape.total_params)} parameters, {cfg.layers} layers, hidden {cfg.hidden}, "
+            f"{cfg.heads} heads, seq {shape.seq_len}; cluster {cluster.label()} "
+            f"({cluster.peak_tflops:.4g} TFLOP/s {dtype}, {cluster.usable_bytes / GiB:.1f} GiB usable per device); "
+            f"global batch {global_batch} ({_num(global_batch * shape.seq_len)} tokens)")
+
+
+def split_text(pred: Prediction) -> str:
+    parts = sorted(((v, k) for k, v in pred.times.items() if v > 0), reverse=True)
+    return ", ".join(f"{_SHORT[k]} {v / pred.step_time_s:.0%}" for v, k in parts if v / pred.step_time_s >= 0.005)
+
+
+def table(preds: list[Prediction]) -> str:
+    cols = ("#", "tp", "pp", "dp", "vpp", "mbs", "sched", "zero", "sp", "recomp", "mem GiB", "step s", "tokens/s",
+            "TFLOP/s", "MFU", "comp%", "tp%", "pp%", "dp%", "bub%", "other%")
+    rows = []
+    for i, p in enumerate(preds, 1):
+        lay, f = p.layout, {k: v / p.step_time_s * 100 for k, v in p.times.items()}
+        rows.append((str(i), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.vpp), str(lay.mbs), lay.schedule,
+                     str(lay.zero), "y" if lay.sp else "n", lay.recompute, f"{p.memory.total / GiB:.1f}",
+                     f"{p.step_time_s:.4g}", _num(p.tokens_per_s), f"{p.model_tflops_per_device:.4g}",
+                     f"{p.mfu:.1%}", f"{f['compute'] + f['recompute']:.0f}", f"{f['tp_comm']:.0f}",
+                     f"{f['pp_comm']:.0f}", f"{f['dp_comm']:.0f}", f"{f['bubble']:.0f}",
+                     f"{f['optimizer'] + f['overhead']:.0f}"))
+    left = {"sched", "recomp"}
+    return _columns(cols, rows, lambda i: cols[i] in left)
+
+
+def describe_prediction(p: Prediction, cluster: Cluster) -> str:
+    m = p.memory
+    lines = [f"layout {p.layout.spec()}",
+             f"  {_plural(p.microbatches, 'micro-batch')} per step per data-parallel rank; links: TP {p.links['tp']}, "
+             f"PP {p.links['pp']}, DP {p.links['dp']}-node",
+             f"  memory per device {m.total / GiB:.2f} GiB of {p.usable_bytes / GiB:.1f} usable on the {m.rank} "
+             f"pipeline rank: params {m.params / GiB:.2f} + grads {m.grads / GiB:.2f} + optimizer "
+             f"{m.optimizer / GiB:.2f} + activations {m.activations / GiB:.2f} ({_plural(m.inflight, 'micro-batch')} "
+             f"in flight) + buffers {m.buffers / GiB:.2f}",
+             f"  step {p.step_time_s:.4g} s, {_num(p.tokens_per_s)} tokens/s, {p.model_tflops_per_device:.4g} model "
+             f"TFLOP/s per device, MFU {p.mfu:.1%} (HFU {p.hfu:.1%}), bubble {p.bubble_fraction:.1%} of the step",
+             f"  time: {split_text(p)}"]
+    if p.devices_used < cluster.world:
+        lines.append(f"  uses {p.devices_used} of the cluster's {cluster.world} devices")
+    return "\n".join(lines)
+
+
+def rejections(plan: Plan, examples: int = 2) -> str:
+    if not plan.rejected:
+        return "nothing was rejected"
+    lines = [f"rejected ({plan.rejected_count()} candidates):"]
+    for kind, rej in sorted(plan.rejected.items(), key=lambda kv: -kv[1].count):
+        lines.append(f"  {KIND_TITLES.get(kind, kind)}: {rej.count}")
+        for spec, sentence in rej.best()[:examples]:
+            lines.append(f"    {spec}: {sentence}")
+    return "\n".join(lines)
+
+
+def plan_text(plan: Plan, top: int, advice: FaultAdvice | None) -> str:
+    shown = plan.ranked[:top]
+    out = [header(plan.shape, plan.cluster, plan.global_batch, plan.dtype),
+           f"searched {plan.considered} layouts in {plan.search_s:.2f} s; the {len(shown)} fastest that fit:", "",
+           table(shown), "", "best " + describe_prediction(plan.best, plan.cluster)]
+    if advice:
+        out.append("  faults: " + advice.sentence())
+    out += ["", rejections(plan)]
+    return "\n".join(out)
+
+
+def plan_json(plan: Plan, top: int, advice: FaultAdvice | None, emitted: str | None = None) -> dict:
+    return {
+        "model": _model_dict(plan.shape), "cluster": cluster_dict(plan.cluster), "global_batch": plan.global_batch,
+        "dtype": plan.dtype, "considered": plan.considered, "search_s": plan.search_s,
+        "layouts": [p.as_dict() for p in plan.ranked[:top]],
+        "rejected": [r.as_dict() for r in sorted(plan.rejected.values(), key=lambda r: -r.count)],
+        "faults": advice.as_dict() if advice else None, "emitted_config": emitted,
+    }
+
+
+def _model_dict(shape: ModelShape) -> dict:
+    cfg = shape.cfg
+    keys = ("preset", "arch", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len",
+            "tie_embeddings")
+    out = {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
+    out.update(params=shape.total_params, model_flops_per_token=shape.model_flops_per_token)
+    return out
+
+
+def cluster_dict(cluster: Cluster) -> dict:
+    out = dict(cluster.__dict__)
+    out.update(world=cluster.world, peak_flops_per_device=cluster.peak_flops, usable_bytes=cluster.usable_bytes)
+    return out
+
+
+def _split_of(times: dict[str, float]) -> str:
+    total = sum(times.values())
+    if not total:
+        return ""
+    parts = sorted(((v, k) for k, v in times.items() if v / total >= 0.01), reverse=True)
+    return ", ".join(f"{_SHORT[k]} {v / total:.0%}" for v, k in parts)
+
+
+def calibration_text(cal) -> str:
+    lines = []
+    changes = cal.changes()
+    if changes:
+        lines.append("fitted: " + ", ".join(f"{k} {a:.4g} -> {b:.4g}" for k, (a, b) in changes.items()))
+    else:
+        lines.append("fitted nothing: no parameter could be told apart from the runs given")
+    cols = ("run", "layout", "what", "measured s", "prior s", "fitted s", "error", "fitted split")
+    rows = []
+    for r in cal.rows:
+        name = r.run.name + (" (held out)" if r.held_out else "")
+        lay = r.run.layout
+        spec = f"tp={lay.tp},pp={lay.pp},dp={lay.dp},mbs={lay.mbs}" + (f",{lay.schedule}" if lay.pp > 1 else "")
+        rows.append((name, spec, r.category, f"{r.measured:.4g}", f"{r.prior:.4g}", f"{r.fitted:.4g}",
+                     f"{r.fitted / r.measured - 1:+.1%}", _split_of(r.split)))
+    lines.append(_columns(cols, rows, lambda i: i < 3 or i == 7))
+    steps = [r for r in cal.rows if r.category == "step"]
+    if steps:
+        worst = max(abs(r.fitted / r.measured - 1) for r in steps)
+        lines.append(f"worst step-time error {worst:.1%} over {len(steps)} runs")
+    return "\n".join(lines)
