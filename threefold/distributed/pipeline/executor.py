@@ -130,11 +130,15 @@ class PipelineExecutor:
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, group=plan.group.pg))
         works = dist.batch_isend_irecv(ops)
         t0 = time.perf_counter()
-        for a, work in zip(batch, works):
-            if a.kind.startswith("RECV"):
+        if len(works) == len(ops):  # one request per op (gloo): sends may complete later
+            for a, work in zip(batch, works):
+                if a.kind.startswith("RECV"):
+                    work.wait()
+                else:
+                    pending_sends.append(work)
+        else:  # a coalesced batch (NCCL returns one request): its receives land only when it completes
+            for work in works:
                 work.wait()
-            else:
-                pending_sends.append(work)
         stats.recv_wait_s += time.perf_counter() - t0
         for kind, key, tensor in received:
             if kind == "RECV_F":

@@ -74,6 +74,8 @@ class _DeferrableLinear(torch.autograd.Function):
         grad_x = grad_out.matmul(weight.to(grad_out.dtype)) if ctx.needs_input_grad[0] else None
         grad_bias = grad_out.flatten(0, -2).sum(0) if ctx.has_bias else None
         g2, x2 = grad_out.flatten(0, -2), x.flatten(0, -2)
+        if not ctx.needs_input_grad[1]:  # a frozen weight: no dW at all
+            return grad_x, None, grad_bias, None
         if ctx.store.deferring:
             def weight_grad(g2=g2, x2=x2, weight=weight):
                 _accumulate(weight, g2.t().matmul(x2.to(g2.dtype)).to(weight.dtype))
