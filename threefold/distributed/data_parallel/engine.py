@@ -1,0 +1,288 @@
+"""`DataParallel`: a model's gradients, reduction, sharding and optimizer over grid.dp.
+
+    engine = DataParallel(model, grid, zero=1, bucket_mb=25, precision=MixedPrecision(),
+                          betas=(0.9, 0.95), weight_decay=0.1)
+    for i, (x, y) in enumerate(micro_batches):
+        with engine.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+            engine.backward(model(x, y) / tokens_per_global_batch)
+    engine.finish()                             # wait for the bucket reductions
+    norm = engine.grad_norm([grid.pp])          # once, over every group
+    applied = engine.step(lr, norm, max_norm)   # clip + AdamW (+ ZeRO-1/2 all-gather)
+    engine.zero_grad()
+
+`model` may also be a list of modules (a pipeline rank's virtual-stage chunks): they share
+one set of buckets and one optimizer. With dp = 1 every ZeRO stage is a no-op (runs as 0).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from threefold.distributed.data_parallel.buckets import GradBuckets
+from threefold.distributed.data_parallel.layout import Segment, build_layout
+from threefold.distributed.data_parallel.params import FlatParams, ShardedParams, pack_bucket
+from threefold.distributed.data_parallel.precision import LossScaler, MixedPrecision
+from threefold.distributed.data_parallel.zero import ZeroAdamW
+from threefold.errors import ConfigError
+
+MiB = 1 << 20
+
+
+class DataParallel:
+    def __init__(self, model: nn.Module | list[nn.Module], grid, *, zero: int = 0, bucket_mb: float = 25.0,
+                 precision: MixedPrecision | None = None, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, own_bucket: list[nn.Parameter] = ()):
+        """own_bucket: parameters laid out alone, so that all_reduce_grads_of can sum them with
+        the same tensor on ranks whose other parameters differ (a tied embedding and its copy
+        in the last pipeline stage, over grid.embed)."""
+        if not bucket_mb > 0:
+            raise ConfigError("parallel.bucket_mb", f"must be > 0, got {bucket_mb}", "e.g. 25")
+        if zero not in (0, 1, 2, 3):
+            raise ConfigError("parallel.zero", f"{zero} is not a ZeRO stage", "valid: 0, 1, 2, 3")
+        self.chunks = list(model) if isinstance(model, (list, tuple, nn.ModuleList)) else [model]
+        self.model, self.grid, self.group = model, grid, grid.dp
+        self.requested_zero = zero
+        self.zero = zero if self.group.size > 1 else 0
+        self.precision = precision or MixedPrecision()
+        self.scaler = LossScaler(self.precision)
+        pdt, gdt = self.precision.param_dtype, self.precision.grad_dtype
+
+        with torch.no_grad():  # frozen parameters are not trained: just take the working dtype
+            for chunk in self.chunks:
+                for p in chunk.parameters():
+                    if not p.requires_grad and p.is_floating_point():
+                        p.data = p.data.to(pdt)
+        solo_ids = {id(p) for p in own_bucket}
+        params, groups, units = _ordered_params(self.chunks, self.zero, solo_ids)
+        self.params = params
+        shards = self.group.size if self.zero >= 1 else 1
+        self.layout = build_layout([tuple(p.shape) for p in params], bucket_mb * MiB,
+                                   torch.empty((), dtype=gdt).element_size(), shards, groups,
+                                   solo={i for i, p in enumerate(params) if id(p) in solo_ids})
+        rank = self.group.rank if shards > 1 else 0
+        # fp32 master values come from the parameters as built, before any cast down.
+        master_init = None
+        if pdt != torch.float32:
+            master_init = []
+            for b in self.layout.buckets:
+                lo, hi = b.shard_range(rank)
+                master_init.append(pack_bucket(params, self.layout, b.index, torch.float32)[lo - b.start:hi - b.start])
+        if self.zero == 3:
+            self.store = ShardedParams(params, self.layout, pdt, self.group)
+        else:
+            self.store = FlatParams(params, self.layout, pdt, rank)
+        self.grads = GradBuckets(params, self.layout, self.group, self.zero, gdt, params[0].device,
+                                 grads_as_views=(gdt == pdt and self.zero < 2))
+        self.optimizer = ZeroAdamW(self.layout, self.group, self.zero, self.store.owned(), master_init,
+                                   betas, eps, weight_decay)
+        self._handles = []
+        if self.zero == 3:
+            for chunk, blocks, root in units:
+                self._handles += self.store.attach(chunk, blocks, root)
+            self.grads.on_bucket_backward_done.append(self.store.free)
+        self._rank = rank
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._norm_segments = self._tp_norm_segments()
+
+    # --- backward ---------------------------------------------------------------------------
+    def no_sync(self):
+        """Accumulate this backward's gradients locally (all micro-batches but the last)."""
+        return self.grads.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), multiplied by the loss scale when one is in use (fp16)."""
+        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+
+    def finish(self) -> None:
+        """After the last backward of the step: wait for every bucket's reduction."""
+        self.grads.finish()
+        if self.zero == 3:
+            self.store.free_all()  # units whose gradients never all arrived (unused parameters)
+
+    def accumulate_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Add a gradient computed outside autograd (a zero-bubble pipeline's deferred weight
+        gradient) as autograd's accumulation would, bucket bookkeeping included."""
+        self.grads.accumulate(self._index[id(param)], grad)
+
+    def _held(self) -> list[torch.Tensor]:
+        """Per bucket, the reduced gradient this rank holds: all of it (zero 0/1) or its slice."""
+        if self.zero >= 2:
+            return self.grads.owned()
+        return [self.grads.bucket_view(b.index) for b in self.layout.buckets]
+
+    def _held_segments(self, key) -> list[Segment]:
+        """`layout.segments` over what _held() returns, offsets relative to those tensors."""
+        if self.zero >= 2:
+            return self.layout.segments(self._rank, key)
+        return [Segment(seg.bucket, seg.lo + r * self.layout.buckets[seg.bucket].shard_numel,
+                        seg.hi + r * self.layout.buckets[seg.bucket].shard_numel, seg.key)
+                for r in range(self.layout.shards) for seg in self.layout.segments(r, key)]
+
+    def all_reduce_grads_of(self, params: list[nn.Parameter], group) -> None:
+        """Sum the gradients of `params` over `group` (e.g. tensor parallelism's partial sums for
+        sequence-parallel norms), on what this rank keeps: call after finish(). Summing over dp
+        and over `group` commute, and ranks of `group` lay out identical shapes identically,
+        so the parts they hold line up element for element."""
+        if not params or group.size == 1:
+            return
+        chosen = {id(p) for p in params}
+        index = [id(p) in chosen for p in self.params]
+        held = self._held()
+        views = [held[s.bucket][s.lo:s.hi] for s in self._held_segments(lambda sl: index[sl.index]) if s.key]
+        if not views:
+            return
+        flat = torch.cat(views)
+        dist.all_reduce(flat, group=group.pg)
+        torch._foreach_copy_(views, list(flat.split([v.numel() for v in views])))
+
+    # --- norm, step -------------------------------------------------------------------------
+    def _tp_norm_segments(self) -> list:
+        """Owned gradient ranges cut by who else holds the same elements: (group, replicas) of
+        a tensor-parallel shard (module.shard_specs over module.shard_group), or None."""
+        modules = [m for chunk in self.chunks for m in chunk.modules()]
+        where: dict[int, tuple] = {}
+        for module in modules:
+            specs, group = getattr(module, "shard_specs", {}), getattr(module, "shard_group", None)
+            for name, p in module.named_parameters(recurse=False):
+                spec = specs.get(name)
+                if spec is not None and group is not None and group.size > 1:
+                    where[id(p)] = (group.name, spec.replicas)
+        self._tp_groups = {}
+        for module in modules:
+            group = getattr(module, "shard_group", None)
+            if group is not None:
+                self._tp_groups[group.name] = group
+        index_key = [where.get(id(p)) for p in self.params]
+
+        # One segment per parameter piece, so grad_norm may leave single parameters out.
+        return self._held_segments(lambda slot: (index_key[slot.index], slot.index))
+
+    def grad_norm(self, groups: list = (), exclude: list[nn.Parameter] = ()) -> torch.Tensor:
+        """L2 norm of the whole gradient, each logical element counted once: squares of the
+        gradient this rank holds (all of it for zero 0/1, its slices for zero 2/3), tensor-
+        parallel shards summed over their group (/replicas), all of it summed over dp when the
+        slices partition the gradient (zero >= 2), then over `groups`
+        (e.g. pipeline stages). `exclude`: copies counted elsewhere (a tied embedding's copy in
+        the last pipeline stage). Unscaled: divided by the loss scale. Non-finite = overflow."""
+        owned = self._held()  # zero 0/1: the whole reduced gradient, normed without dp traffic
+        skip = {self._index[id(p)] for p in exclude}
+        segs = [seg for seg in self._norm_segments if seg.key[1] not in skip]
+        # One fused kernel for all pieces (fp32 accumulation for bf16/fp16 gradients).
+        views = [owned[seg.bucket][seg.lo:seg.hi] for seg in segs]
+        norms = torch._foreach_norm(views, 2, dtype=torch.float32) if views else []
+        sq = torch.stack(norms).pow(2) if norms else torch.zeros(1, device=owned[0].device)
+        keys = [seg.key[0] for seg in segs]
+        replicated = sq[[i for i, k in enumerate(keys) if k is None]].sum()
+        per_group = {k: sq[[i for i, k2 in enumerate(keys) if k2 == k]].sum() for k in set(keys) if k is not None}
+        total = replicated
+        for (name, replicas), sq in sorted(per_group.items(), key=lambda kv: kv[0]):
+            sq = sq / replicas
+            dist.all_reduce(sq, group=self._tp_groups[name].pg)
+            total = total + sq
+        if self.zero >= 2 and self.group.size > 1:  # the owned slices partition the gradient
+            dist.all_reduce(total, group=self.group.pg)
+        for group in groups:
+            if group.size > 1:
+                dist.all_reduce(total, group=group.pg)
+        return total.sqrt() / self.scaler.scale
+
+    def step(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> bool:
+        """Clip to `max_norm` (0 = off) and apply AdamW; False when the step was skipped
+        because gradients overflowed (fp16 loss scaling). Every rank decides the same way:
+        the norm is global."""
+        if self.scaler.enabled and not self.scaler.update(float(grad_norm)):
+            return False
+        scale = None
+        if max_norm > 0:  # the same coefficient as train.optim.clip_gradients
+            scale = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
+        if self.scaler.enabled:
+            scale = (scale if scale is not None else 1.0) / self.scaler.scale
+            scale = torch.as_tensor(scale, dtype=torch.float32, device=self.grads.device)
+        self.optimizer.step(self.grads.owned(), lr, scale)
+        if self.zero in (1, 2):  # every rank updated its slices: rebuild the replicated buffer
+            self.optimizer.gather([self.store.bucket_view(b.index) for b in self.layout.buckets])
+        return True
+
+    def zero_grad(self) -> None:
+        self.grads.zero_grad()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """name -> a full copy of every parameter (ZeRO 3 gathers unit by unit: collective)."""
+        names = {id(p): (f"{c}." if len(self.chunks) > 1 else "") + n
+                 for c, chunk in enumerate(self.chunks) for n, p in chunk.named_parameters()}
+        out = {}
+        for b in self.layout.buckets:
+            if self.zero == 3:
+                self.store.ensure(b.index)
+            for i in b.slots:
+                out[names[id(self.params[i])]] = self.params[i].detach().clone()
+            if self.zero == 3:
+                self.store.free(b.index)
+        return out
+
+    # --- measurement ------------------------------------------------------------------------
+    def comm_stats(self) -> dict:
+        """Exposed seconds of the last step's gradient reduction and parameter gathers."""
+        out = {"dp_exposed_s": self.grads.exposed_s, "dp_buckets": len(self.layout.buckets)}
+        if self.zero == 3:
+            out["zero3_gather_wait_s"] = self.store.gather_wait_s
+            self.store.gather_wait_s = 0.0
+        return out
+
+    def exposed_comm_s(self) -> float:
+        """Exposed gradient communication of the last step, load imbalance excluded
+        (collective over dp; one host). See buckets.py."""
+        return self.grads.exposed_after_slowest()
+
+    def time_serial_comm(self, repeats: int = 5) -> float:
+        """Blocking cost of one step's gradient collectives (collective over dp)."""
+        return self.grads.time_serial(repeats)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self.grads.remove_hooks()
+
+
+def _ordered_params(chunks: list[nn.Module], zero: int, solo: set[int] = frozenset()):
+    """Parameters in gradient-ready order (reverse of definition; the last chunk's first), and
+    for ZeRO 3 the units: one bucket per transformer block (in `chunk.layers`), one root bucket
+    per chunk for the rest (plus one per `solo` parameter there).
+    Returns (params, bucket groups or None, [(chunk, blocks, root buckets)])."""
+    seen: set[int] = set()
+    per_chunk = []
+    for chunk in chunks:
+        ps = [p for p in chunk.parameters() if p.requires_grad and id(p) not in seen]  # tied: once
+        seen.update(id(p) for p in ps)
+        per_chunk.append(ps)
+    if zero < 3:
+        return [p for ps in per_chunk[::-1] for p in ps[::-1]], None, []
+    ordered, groups, units = [], [], []
+
+    def add(ps: list) -> int:
+        groups.append(list(range(len(ordered), len(ordered) + len(ps))))
+        ordered.extend(ps)
+        return len(groups) - 1
+
+    for chunk, ps in zip(chunks[::-1], per_chunk[::-1]):
+        mine = {id(p) for p in ps}
+        layers = getattr(chunk, "layers", None)
+        block_modules = list(layers.values()) if isinstance(layers, nn.ModuleDict) else []
+        in_blocks = [[p for p in m.parameters() if id(p) in mine] for m in block_modules]
+        for p_list in in_blocks:
+            mine -= {id(p) for p in p_list}
+        blocks = [None] * len(block_modules)
+        for k in range(len(block_modules) - 1, -1, -1):  # last block's gradients are ready first
+            if in_blocks[k]:
+                blocks[k] = (block_modules[k], add(in_blocks[k][::-1]))
+        rest = [p for p in ps if id(p) in mine][::-1]
+        root = [add([p]) for p in rest if id(p) in solo]
+        rest = [p for p in rest if id(p) not in solo]
+        root += [add(rest)] if rest else []
+        units.append((chunk, [b for b in blocks if b is not None], root))
+    return ordered, groups, units[::-1]

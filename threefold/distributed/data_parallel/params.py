@@ -1,0 +1,180 @@
+"""Parameter storage: one flat replicated buffer (ZeRO 0-2), or dp-sharded units (ZeRO 3).
+
+ZeRO 3 (the paper's P_os+g+p) keeps only this rank's slice of every parameter between uses.
+A *unit* is one transformer block (its own bucket) or the rest of the model (embeddings,
+final norm, head: the "root"). A block is all-gathered by a forward pre-hook just before it
+runs, with the next block's all-gather already launched (prefetch), and freed again by a
+forward post-hook; a hook on the block's output gradient gathers it once more just before
+its backward (prefetching the block before it), and it is freed as soon as all its
+gradients have arrived. The root is gathered when the model's forward starts and freed after
+its own backward: its parameters are used first and last in both passes (and a tied
+embedding/head weight lives in both ends), so freeing it in between would gather it twice.
+
+Freeing resizes the unit's storage to zero bytes; the parameters stay views of it, so tensors
+autograd saved for backward see the data again once it is gathered back.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from threefold.distributed.data_parallel.layout import Layout
+from threefold.distributed.grid import Group
+
+READY = "ready"  # unit state: None = freed, READY = gathered, otherwise an in-flight Work
+
+
+def pack_bucket(params: list[torch.Tensor], layout: Layout, b: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bucket `b` as one padded flat tensor of `dtype`, from the parameters' current values."""
+    bucket = layout.buckets[b]
+    flat = torch.zeros(bucket.numel, dtype=dtype, device=params[0].device)
+    for i in bucket.slots:
+        s = layout.slots[i]
+        flat[s.start - bucket.start:s.start - bucket.start + s.numel].copy_(params[i].detach().reshape(-1))
+    return flat
+
+
+class FlatParams:
+    """ZeRO 0-2: every parameter is a view of one flat buffer of the working dtype."""
+
+    def __init__(self, params: list[nn.Parameter], layout: Layout, dtype: torch.dtype, shard_rank: int):
+        self.layout, self.shard_rank = layout, shard_rank
+        self.flat = torch.zeros(layout.numel, dtype=dtype, device=params[0].device)  # padding stays 0
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                s = layout.slots[i]
+                view = self.flat[s.start:s.start + s.numel]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view(s.shape)  # the parameter's old storage is released
+
+    def bucket_view(self, b: int) -> torch.Tensor:
+        bucket = self.layout.buckets[b]
+        return self.flat[bucket.start:bucket.start + bucket.numel]
+
+    def owned(self) -> list[torch.Tensor]:
+        """Per bucket, the slice of the flat buffer this rank's optimizer writes."""
+        return [self.flat[slice(*b.shard_range(self.shard_rank))] for b in self.layout.buckets]
+
+
+class ShardedParams:
+    """ZeRO 3: per bucket, this rank's slice persists; the full bucket exists only while used."""
+
+    def __init__(self, params: list[nn.Parameter], layout: Layout, dtype: torch.dtype, group: Group):
+        self.layout, self.group, self.dtype = layout, group, dtype
+        self.shard = torch.empty(layout.shard_numel, dtype=dtype, device=params[0].device)
+        self.full: list[torch.Tensor] = []
+        self.state: list = []
+        with torch.no_grad():
+            for b in layout.buckets:
+                full = pack_bucket(params, layout, b.index, dtype)
+                lo, hi = b.shard_range(group.rank)
+                self.shard[b.shard_offset:b.shard_offset + b.shard_numel].copy_(full[lo - b.start:hi - b.start])
+                for i in b.slots:
+                    s = layout.slots[i]
+                    params[i].data = full[s.start - b.start:s.start - b.start + s.numel].view(s.shape)
+                self.full.append(full)
+                self.state.append(READY)
+                self.free(b.index)
+        self.gather_wait_s = 0.0  # time blocked on parameter all-gathers (not hidden by prefetch)
+
+    def owned(self) -> list[torch.Tensor]:
+        return [self.shard[b.shard_offset:b.shard_offset + b.shard_numel] for b in self.layout.buckets]
+
+    # --- gather / free ------------------------------------------------------------------------
+    def _launch(self, b: int) -> None:
+        full, bucket = self.full[b], self.layout.buckets[b]
+        full.untyped_storage().resize_(bucket.numel * full.element_size())
+        shard = self.shard[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]
+        self.state[b] = dist.all_gather_single(full, shard, group=self.group.pg, async_op=True)
+
+    def prefetch(self, b: int | None) -> None:
+        """Launch bucket `b`'s all-gather without waiting (None: nothing to prefetch)."""
+        if b is not None and self.state[b] is None:
+            self._launch(b)
+
+    def ensure(self, b: int) -> None:
+        """Make bucket `b`'s parameters whole, waiting for its all-gather if needed."""
+        if self.state[b] is READY:
+            return
+        t0 = time.perf_counter()
+        if self.state[b] is None:
+            self._launch(b)
+        self.state[b].wait()
+        self.state[b] = READY
+        self.gather_wait_s += time.perf_counter() - t0
+
+    def free(self, b: int) -> None:
+        if self.state[b] is None:
+            return
+        if self.state[b] is not READY:  # never drop storage under a running collective
+            self.state[b].wait()
+        self.full[b].untyped_storage().resize_(0)
+        self.state[b] = None
+
+    def free_all(self) -> None:
+        for b in range(len(self.full)):
+            self.free(b)
+
+    # --- hooks ------------------------------------------------------------------------------
+    def attach(self, model: nn.Module, blocks: list[tuple[nn.Module, int]], root: list[int]) -> list:
+        """Hooks on `model` (a whole model or one pipeline chunk): `blocks` are its (block,
+        bucket) pairs in forward order, `root` the buckets of its other parameters."""
+        order = [b for _, b in blocks]
+
+        def at(k: int) -> int | None:
+            return order[k] if 0 <= k < len(order) else None
+
+        def model_pre_forward(module, args) -> None:
+            for b in root + order[:1]:
+                self.prefetch(b)
+            for b in root:
+                self.ensure(b)
+
+        def model_post_forward(module, args, output) -> None:
+            if not torch.is_grad_enabled():  # evaluation: nothing will need the weights again
+                for b in root + order:
+                    self.free(b)
+
+        handles = [model.register_forward_pre_hook(model_pre_forward),
+                   model.register_forward_hook(model_post_forward)]
+        for k, (block, _) in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(self._block_pre_forward(at, k)))
+            handles.append(block.register_forward_hook(self._block_post_forward(at, k)))
+        return handles
+
+    def _block_pre_forward(self, at, k: int):
+        def hook(module, args) -> None:
+            self.ensure(at(k))
+            self.prefetch(at(k + 1))
+        return hook
+
+    def _block_post_forward(self, at, k: int):
+        def hook(module, args, output) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                return  # a rerun inside backward (recomputation): backward still needs the weights
+            outs = [t for t in _tensors(output) if t.requires_grad]
+            if torch.is_grad_enabled() and outs:
+                # Fires when the gradient w.r.t. the block's output is complete, i.e. just
+                # before the block's own backward runs.
+                torch.autograd.graph.register_multi_grad_hook(outs, self._pre_backward(at, k), mode="any")
+            self.free(at(k))
+        return hook
+
+    def _pre_backward(self, at, k: int):
+        def hook(grad) -> None:
+            self.ensure(at(k))
+            self.prefetch(at(k - 1))
+        return hook
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for o in output for t in _tensors(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _tensors(o)]
+    return []
