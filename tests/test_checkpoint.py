@@ -38,7 +38,7 @@ def saved_layouts(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("layouts")
     layouts = {"tp2-pp2": {"parallel.tp": 2, "parallel.pp": 2},
                "dp4": {"parallel.dp": 4},
-               "tp2-dp2-sp": {"parallel.tp": 2, "parallel.dp": 2, "parallel.sp": "true"}}
+               "tp2-dp2-zero2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.sp": "true", "parallel.zero": 2}}
     runs = {name: {**BASE, **over, "train.steps": 5, "checkpoint.dir": root / name / "ckpt"}
             for name, over in layouts.items()}
     run_training_many(runs, root, cache_dir, world=4)
@@ -47,8 +47,9 @@ def saved_layouts(tmp_path_factory, cache_dir):
 
 @pytest.mark.parametrize("source, target", [
     ("tp2-pp2", {"parallel.dp": 4}),
-    ("dp4", {"parallel.tp": 2, "parallel.dp": 2, "parallel.sp": "true"}),
-    ("tp2-dp2-sp", {"parallel.tp": 2, "parallel.pp": 2}),
+    ("dp4", {"parallel.tp": 2, "parallel.dp": 2, "parallel.sp": "true", "parallel.zero": 2}),
+    ("tp2-dp2-zero2", {"parallel.tp": 2, "parallel.pp": 2}),
+    ("tp2-pp2", {"parallel.dp": 4, "parallel.zero": 3}),
 ])
 def test_checkpoint_loads_into_another_layout(source, target, saved_layouts, straight, tmp_path, cache_dir):
     runs = {"resumed": {**BASE, **target, "checkpoint.resume": saved_layouts[source]}}

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import max_loss_delta, run_training
+from harness import max_loss_delta, run_training, run_training_many
 from threefold.train.optim import clip_gradients, global_grad_norm, lr_at
 
 STEPS = 20
@@ -63,6 +63,21 @@ def test_data_parallel_matches_single_process(dp, dp1_run, tmp_path, cache_dir):
     run = run_training({"train.steps": STEPS, "train.seed": 0, "parallel.dp": dp}, tmp_path, cache_dir)
     delta = max_loss_delta(dp1_run, run)
     assert delta < 1e-5, f"dp={dp}: max |loss diff| {delta:.2e}"
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory, cache_dir):
+    runs = {f"zero{z}": {"train.steps": STEPS, "train.seed": 0, "parallel.dp": 2, "parallel.zero": z}
+            for z in (1, 2, 3)}
+    runs["zero1-bucketed"] = {**runs["zero1"], "parallel.bucket_mb": 0.25}
+    return run_training_many(runs, tmp_path_factory.mktemp("zero"), cache_dir, world=2)
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero1-bucketed"])
+def test_zero_stages_in_the_loop_match_single_process(name, zero_runs, dp1_run):
+    delta = max_loss_delta(dp1_run, zero_runs[name])
+    assert delta < 1e-5, f"{name}: max |loss diff| {delta:.2e}"
+    assert zero_runs[name][-1]["dp_exposed_s"] >= 0 and not zero_runs[name][-1]["step_skipped"]
 
 
 def test_cli_trains_through_the_elastic_agent(tmp_path, cache_dir):

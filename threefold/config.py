@@ -63,7 +63,7 @@ class ParallelConfig:
     order: str = knob("tp-cp-ep-dp-pp", "Rank order, fastest-varying first (tp first keeps TP groups on neighbouring ranks)")
     devices_per_node: int = knob(0, "Devices per node for placement checks (0 = local world size)")
     allow_tp_across_nodes: bool = knob(False, "Permit a tensor-parallel group to span nodes")
-    bucket_mb: float = knob(25.0, "Gradient bucket size in MB for data-parallel reduction")
+    bucket_mb: float = knob(25.0, "Gradient bucket size in MiB for data-parallel reduction (ZeRO 3 reduces per block)")
 
 
 @dataclass
@@ -81,7 +81,11 @@ class TrainConfig:
     beta1: float = knob(0.9, "AdamW beta1")
     beta2: float = knob(0.95, "AdamW beta2")
     grad_clip: float = knob(1.0, "Clip by global gradient norm (0 = off)")
-    dtype: str = knob("auto", "Compute dtype: auto = fp32 on CPU, bf16 on CUDA", ("auto", "fp32", "bf16"))
+    dtype: str = knob("auto", "Parameter/compute dtype: auto = fp32 on CPU, bf16 on CUDA; bf16/fp16 keep fp32 "
+                      "master weights and Adam state", ("auto", "fp32", "bf16", "fp16"))
+    grad_reduce_dtype: str = knob("auto", "Dtype of gradient accumulation and data-parallel reduction "
+                                  "(auto = parameter dtype)", ("auto", "fp32", "bf16", "fp16"))
+    loss_scale: str = knob("auto", "Loss scaling: auto (dynamic for fp16, none otherwise), none, dynamic, or a number")
     recompute: str = knob("none", "Activation recomputation: selective = attention core, full = whole blocks",
                           ("none", "selective", "full"))
     recompute_layers: int = knob(0, "Blocks per pipeline stage that full recompute covers, from the first (0 = all)")

@@ -93,7 +93,7 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
 def _not_yet(cfg: Config) -> None:
     """Dimensions the grid reserves but the training loop cannot run yet: refuse, never ignore."""
     p = cfg.parallel
-    for key, value, ok in (("parallel.zero", p.zero, 0), ("parallel.ep", p.ep, 1)):
+    for key, value, ok in (("parallel.ep", p.ep, 1),):
         if value != ok:
             raise ConfigError(key, f"{value} is not supported by this version of threefold", f"valid: {ok}")
     c = cfg.checkpoint
@@ -116,6 +116,12 @@ def validate_train(cfg: Config) -> None:
     _positive("train.timeout_s", t.timeout_s)
     _positive("train.max_restarts", t.max_restarts, allow_zero=True)
     _positive("train.recompute_layers", t.recompute_layers, allow_zero=True)
+    if t.dtype == "fp16" and t.loss_scale == "none":
+        raise ConfigError("train.loss_scale", "fp16 training without loss scaling underflows gradients",
+                          "valid: auto, dynamic, a number, or train.dtype bf16")
+    from threefold.distributed.data_parallel import MixedPrecision
+
+    MixedPrecision.from_names("fp32" if t.dtype == "auto" else t.dtype, t.grad_reduce_dtype, t.loss_scale)
     if t.recompute_layers and t.recompute != "full":
         raise ConfigError("train.recompute_layers", f"{t.recompute_layers} applies only to full recompute "
                           f"(train.recompute is {t.recompute!r})", "set train.recompute full or recompute_layers 0")

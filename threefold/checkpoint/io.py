@@ -31,23 +31,25 @@ def save(root: str | Path, step: int, tensors: list[LocalTensor], config: dict, 
         tmp.mkdir(parents=True)
     dist.barrier()
     file = f"rank{rank:05d}.pt"
-    mine = {t.name: t.tensor.detach().cpu().contiguous() for t in tensors if t.write}
+    # A rank may hold several rectangles of one tensor (ZeRO cuts anywhere): key by name and offsets.
+    key = {id(t): f"{t.name}@{','.join(map(str, t.offsets))}" for t in tensors}
+    mine = {key[id(t)]: t.tensor.detach().cpu().contiguous() for t in tensors if t.write}
     path = tmp / file
     with open(path, "wb") as f:
         torch.save(mine, f)
         f.flush()
         os.fsync(f.fileno())
     report = {"file": file, "bytes": path.stat().st_size, "sha256": sha256_of(path),
-              "tensors": [(t.name, list(t.global_shape), str(t.tensor.dtype).replace("torch.", ""),
+              "tensors": [(t.name, key[id(t)], list(t.global_shape), str(t.tensor.dtype).replace("torch.", ""),
                            list(t.offsets), list(t.lengths)) for t in tensors if t.write]}
     reports = [None] * dist.get_world_size()
     dist.all_gather_object(reports, report)
     if rank == 0:
         entries: dict[str, TensorEntry] = {}
         for r in reports:
-            for name, shape, dtype, offsets, lengths in r["tensors"]:
+            for name, file_key, shape, dtype, offsets, lengths in r["tensors"]:
                 entry = entries.setdefault(name, TensorEntry(shape, dtype))
-                entry.shards.append(Shard(r["file"], name, offsets, lengths))
+                entry.shards.append(Shard(r["file"], file_key, offsets, lengths))
         files = {r["file"]: {"bytes": r["bytes"], "sha256": r["sha256"]} for r in reports}
         manifest = Manifest(step, config, layout, entries, files, extra or {})
         write_atomic(tmp / MANIFEST, manifest.to_json())

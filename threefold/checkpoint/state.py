@@ -26,48 +26,45 @@ class LocalTensor:
         return tuple(self.tensor.shape)
 
 
-def _param_slices(chunks: list[nn.Module], aliases: dict[int, str]):
-    """(logical name, parameter, global shape, offsets, sharded, alias) for this rank's parameters."""
-    seen: set[int] = set()
+def _logical_names(chunks: list[nn.Module], aliases: dict[int, str]) -> dict[int, tuple]:
+    """id(param) -> (logical name, its ShardSpec or None, is an alias), first name wins (tied)."""
+    out: dict[int, tuple] = {}
     for chunk in chunks:
         for mod_name, module in chunk.named_modules():
             specs = getattr(module, "shard_specs", {})
             for pname, p in module.named_parameters(recurse=False):
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                alias = aliases.get(id(p))
-                name = alias or (f"{mod_name}.{pname}" if mod_name else pname)
-                spec = specs.get(pname)
-                if spec is None:
-                    yield name, p, tuple(p.shape), (0,) * p.ndim, False, alias is not None
-                else:
-                    offsets = [0] * p.ndim
-                    offsets[spec.dim] = spec.start
-                    yield name, p, tuple(spec.full_shape), tuple(offsets), True, alias is not None
-
-
-def training_state(chunks: list[nn.Module], optimizer: torch.optim.Optimizer, grid,
-                   aliases: dict[int, str] | None = None) -> list[LocalTensor]:
-    """Parameters and AdamW moments of this rank, materializing missing optimizer state as
-    zeros (exactly what AdamW would create) so a load has somewhere to write. `aliases` maps a
-    parameter that is a copy of another logical tensor (the last stage's copy of a tied
-    embedding: "tok_embed.weight") to that name: it is loaded from it and never written."""
-    out = []
-    for name, p, shape, offsets, sharded, alias in _param_slices(chunks, aliases or {}):
-        write = grid.dp_rank == 0 and (sharded or grid.tp_rank == 0) and not alias
-        out.append(LocalTensor(f"model/{name}", p.data, shape, offsets, write))
-        state = optimizer.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        for key in ("exp_avg", "exp_avg_sq"):
-            out.append(LocalTensor(f"optim/{name}/{key}", state[key], shape, offsets, write))
+                if id(p) not in out:
+                    alias = aliases.get(id(p))
+                    out[id(p)] = (alias or (f"{mod_name}.{pname}" if mod_name else pname), specs.get(pname), bool(alias))
     return out
 
 
-def set_optimizer_step(optimizer: torch.optim.Optimizer, step: int) -> None:
-    """AdamW's bias correction counts steps per parameter; all of ours took every step."""
-    for state in optimizer.state.values():
-        state["step"].fill_(float(step))
+KINDS = {"master": "model", "exp_avg": "optim/exp_avg", "exp_avg_sq": "optim/exp_avg_sq"}
+
+
+def training_state(chunks: list[nn.Module], engine, grid, aliases: dict[int, str] | None = None) -> list[LocalTensor]:
+    """This rank's fp32 master weights and AdamW moments as slices of logical tensors.
+
+    The data-parallel engine owns them as flat buffers (sharded over dp under ZeRO); its
+    `owned_pieces` cuts them into rectangles of each (TP-local) parameter, and a TP shard's
+    offset places those in the full tensor. With ZeRO >= 1 the dp ranks' pieces partition every
+    tensor, so all of them write; with ZeRO 0 dp rank 0 writes. `aliases` maps a parameter that
+    is a copy of another logical tensor (the last stage's copy of a tied embedding:
+    "tok_embed.weight") to that name: it is loaded from it and never written."""
+    from threefold.distributed.data_parallel.state import owned_pieces
+
+    names = _logical_names(chunks, aliases or {})
+    shapes = {id(p): tuple(engine.layout.slots[i].shape) for i, p in enumerate(engine.params)}
+    out = []
+    for piece in owned_pieces(engine):
+        name, spec, alias = names[id(piece.param)]
+        offsets = list(piece.offsets)
+        if spec is None:
+            full = shapes[id(piece.param)]
+        else:
+            full = tuple(spec.full_shape)
+            offsets[spec.dim] += spec.start
+        write = (engine.zero >= 1 or grid.dp_rank == 0) and (spec is not None or grid.tp_rank == 0) and not alias
+        for kind, tensor in piece.tensors.items():
+            out.append(LocalTensor(f"{KINDS[kind]}/{name}", tensor, full, tuple(offsets), write))
+    return out

@@ -9,32 +9,31 @@ from functools import partial
 import torch
 from torch import nn
 
-from threefold.checkpoint import find_resumable, load_into, open_checkpoint, save, set_optimizer_step, training_state
+from threefold.checkpoint import find_resumable, load_into, open_checkpoint, save, training_state
 from threefold.data import GlobalBatchSampler, Prefetcher, load_tokens
-from threefold.distributed.comm import all_reduce_gradients, all_reduce_max, all_reduce_sum
+from threefold.distributed.comm import all_reduce_max, all_reduce_sum
+from threefold.distributed.data_parallel import DataParallel, MixedPrecision
+from threefold.distributed.data_parallel.state import refresh_params
 from threefold.distributed.grid import Grid
 from threefold.distributed.parallelize import build_model
 from threefold.distributed.pipeline import bubble_theory
-from threefold.distributed.pipeline.stage import build_stage, sync_tied_embedding_grads, tied_head_weights
-from threefold.distributed.tensor_parallel import sync_tensor_parallel_grads
+from threefold.distributed.pipeline.stage import build_stage, tied_head_weights
+from threefold.distributed.tensor_parallel import partial_grad_params
 from threefold.errors import DataError
 from threefold.observe import (MetricsWriter, device_peak_flops, mfu, peak_memory_bytes, train_flops_per_token,
                                write_run_json)
-from threefold.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at
+from threefold.train.optim import lr_at
 from threefold.train.status import StatusLine
 
 
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Parameter and activation dtype; bf16/fp16 keep fp32 master weights in the optimizer."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-
-
-def autocast_for(device: torch.device, dtype: torch.dtype):
-    """bf16 autocast over fp32 master weights; plain fp32 needs no context."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def open_data(cfg):
@@ -52,7 +51,7 @@ def _quiet(*_args) -> None:
     pass
 
 
-def resume(cfg, state, optimizer, log) -> int:
+def resume(cfg, state, engine, log) -> int:
     """Load the checkpoint `checkpoint.resume` names (if any) into this rank's slices; returns
     the step to continue from. The data order and LR schedule are functions of the step."""
     c = cfg.checkpoint
@@ -64,7 +63,7 @@ def resume(cfg, state, optimizer, log) -> int:
         return 0
     directory, manifest = found
     load_into(state, directory, manifest)
-    set_optimizer_step(optimizer, manifest.extra["optimizer_step"])
+    refresh_params(engine, manifest.extra["optimizer_step"])  # working weights from the loaded masters
     log(f"threefold: resumed from {directory} at step {manifest.step}")
     return manifest.step
 
@@ -73,13 +72,19 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
     m, t = cfg.model, cfg.train
     is_logger = grid.global_rank == 0
     dtype = resolve_dtype(t.dtype, device)
-    chunks, executor = build_stage(cfg, grid, device, partial(build_model, cfg, grid, device))
+    chunks, executor = build_stage(cfg, grid, device, partial(build_model, cfg, grid, device), dtype)
     model = nn.ModuleList(chunks)  # this rank's pipeline chunks (one without pipelining)
+    tied = tied_head_weights(chunks, cfg, grid)  # the embedding and its copy on the last stage
     tied_copy = [w for c in chunks if c.tok_embed is None for w in tied_head_weights([c], cfg, grid)]
-    optimizer = build_optimizer(model, t)
-    state = training_state(chunks, optimizer, grid, aliases={id(w): "tok_embed.weight" for w in tied_copy})
+    precision = MixedPrecision.from_names(DTYPE_NAMES[dtype], t.grad_reduce_dtype, t.loss_scale)
+    engine = DataParallel(chunks, grid, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb,
+                          precision=precision, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                          own_bucket=tied)
+    tp_partial = partial_grad_params(model)
+    if executor.store is not None:  # zero-bubble W passes add their dW through the engine
+        executor.store.accumulate = engine.accumulate_grad
+    state = training_state(chunks, engine, grid, aliases={id(w): "tok_embed.weight" for w in tied_copy})
     tokens, sampler = open_data(cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
 
     tokens_per_step = t.global_batch * m.seq_len
     flops_per_step = train_flops_per_token(m, m.seq_len) * tokens_per_step
@@ -88,7 +93,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
     world = grid.layout.world_size
     p = cfg.parallel
     bubble = bubble_theory(p.schedule, p.pp, p.microbatches, p.vpp) if p.pp > 1 else 0.0
-    start_step = resume(cfg, state, optimizer, log if is_logger else _quiet)
+    start_step = resume(cfg, state, engine, log if is_logger else _quiet)
     metrics = MetricsWriter(cfg.log.dir, enabled=is_logger, append=start_step > 0)
     if is_logger:
         write_run_json(cfg.log.dir, cfg.to_dict(), grid.describe(), device=device,
@@ -106,19 +111,20 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
             tp_bytes0 = grid.tp.stats.total_bytes
             batches, data_wait = prefetch.get(step)
             lr = lr_at(step, t)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            # Forward/backward of every micro-batch through this rank's stage, in schedule order.
-            loss_sum, pipe = executor.run(batches, tokens_per_step, partial(autocast_for, device, dtype))
+            # Forward/backward of every micro-batch through this rank's stage, in schedule order;
+            # each chunk's last backward runs outside no_sync so its gradient buckets start
+            # reducing over dp while the rest of backward still runs.
+            loss_sum, pipe = executor.run(batches, tokens_per_step / engine.loss_scale, no_sync=engine.no_sync)
+            engine.finish()
             # Tensor parallel: replicated parameters whose gradient each TP rank holds a part of
-            # (norms under SP, kv heads shared when kv_heads < tp) are summed over the TP group.
-            sync_tensor_parallel_grads(model, grid.tp)
-            sync_tied_embedding_grads(chunks, cfg, grid)
-            all_reduce_gradients([p.grad for p in params if p.grad is not None], grid.dp)
-            grad_norm = global_grad_norm(model, [grid.pp], exclude=tied_copy)
-            clip_gradients(model, t.grad_clip, grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            # (norms under SP, kv heads shared when kv_heads < tp) are summed over the TP group;
+            # the embedding and its last-stage copy over the first and last stage.
+            engine.all_reduce_grads_of(tp_partial, grid.tp)
+            if tied:
+                engine.all_reduce_grads_of(tied, grid.embed)
+            grad_norm = engine.grad_norm([grid.pp], exclude=tied_copy)
+            applied = engine.step(lr, grad_norm, t.grad_clip)
+            engine.zero_grad()
             all_reduce_sum(loss_sum, grid.pp)  # only the last stage computed a loss
             all_reduce_sum(loss_sum, grid.dp)
             # One small MAX reduction gives the slowest rank's memory, data wait and pipeline idle.
@@ -135,6 +141,8 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
                 "tp_comm_bytes": grid.tp.stats.total_bytes - tp_bytes0,
                 "pp_idle_s": float(worst[2]), "pp_idle_fraction": float(worst[3]),
                 "pp_bubble_theory": bubble,
+                "dp_exposed_s": engine.comm_stats()["dp_exposed_s"], "loss_scale": engine.loss_scale,
+                "step_skipped": not applied,
             }
             metrics.write(last)
             status.update(step, loss_value, last["tokens_per_s"], last["mfu"])

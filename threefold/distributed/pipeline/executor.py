@@ -56,11 +56,19 @@ class PipelineExecutor:
         self.plan, self.steps, self.store = plan, group_batches(actions), weight_store
         if any(a.kind == "W" for a in actions) and weight_store is None:
             raise ValueError("a schedule with W actions needs a WeightGradStore on its linear layers")
+        # The action after which a chunk's weight gradients are complete: its last W, else last B.
+        last: dict[int, tuple[str, tuple[int, int]]] = {}
+        for a in actions:
+            if a.kind == "W" or (a.kind == "B" and weight_store is None):
+                last[a.chunk] = (a.kind, (a.microbatch, a.chunk))
+        self.final_grad_actions = set(last.values())
 
     def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
-            autocast=contextlib.nullcontext) -> tuple[torch.Tensor, PipelineStats]:
+            autocast=contextlib.nullcontext, no_sync=None) -> tuple[torch.Tensor, PipelineStats]:
         """Run one step's schedule; returns the summed (unscaled) loss of the micro-batches
-        whose last stage is here (zero elsewhere) and this rank's timing."""
+        whose last stage is here (zero elsewhere) and this rank's timing. `no_sync()`, when
+        given, wraps every gradient-producing action but each chunk's last one, so gradient
+        reduction starts only when a chunk's gradients are final (data parallelism)."""
         plan, stats = self.plan, PipelineStats()
         device = plan.wire.device
         inputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -78,10 +86,13 @@ class PipelineExecutor:
             t0 = time.perf_counter()
             if step.kind == "F":
                 loss_sum += self._forward(step, key, microbatches, inputs, outputs, loss_scale, autocast)
-            elif step.kind == "B":
-                self._backward(step, key, inputs, outputs, grads_from_next, grads_to_prev)
             else:
-                self.store.run(key)
+                final = no_sync is None or (step.kind, key) in self.final_grad_actions
+                with contextlib.nullcontext() if final else no_sync():
+                    if step.kind == "B":
+                        self._backward(step, key, inputs, outputs, grads_from_next, grads_to_prev)
+                    else:
+                        self.store.run(key)
             stats.compute_s[step.kind] += time.perf_counter() - t0
         for work in pending_sends:
             work.wait()

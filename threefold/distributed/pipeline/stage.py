@@ -3,7 +3,6 @@ embedding that the first and last stages share."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from threefold.distributed.grid import Grid
@@ -14,8 +13,10 @@ from threefold.distributed.pipeline.schedules import build_schedule
 from threefold.distributed.pipeline.weight_grad import WeightGradStore, attach_weight_grad_store
 
 
-def build_stage(cfg, grid: Grid, device: torch.device, build_chunk) -> tuple[list[nn.Module], PipelineExecutor]:
-    """`build_chunk(layer_ids, first, last)` builds one materialized, initialized chunk."""
+def build_stage(cfg, grid: Grid, device: torch.device, build_chunk,
+                dtype: torch.dtype = torch.float32) -> tuple[list[nn.Module], PipelineExecutor]:
+    """`build_chunk(layer_ids, first, last)` builds one materialized, initialized chunk;
+    activations cross stage boundaries in `dtype` (the parameters' dtype)."""
     p, v = cfg.parallel.pp, cfg.parallel.vpp
     stages = stage_layer_ids(cfg.model, p, v, cfg.parallel.stage_layers)
     chunks, first, last = [], [], []
@@ -26,7 +27,7 @@ def build_stage(cfg, grid: Grid, device: torch.device, build_chunk) -> tuple[lis
         chunks.append(build_chunk(stages[s], first[-1], last[-1]))
     m = cfg.parallel.microbatches
     seq = cfg.model.seq_len // (cfg.parallel.tp if cfg.parallel.sp else 1)
-    wire = WireFormat((seq, cfg.train.micro_batch, cfg.model.hidden), torch.float32, device)
+    wire = WireFormat((seq, cfg.train.micro_batch, cfg.model.hidden), dtype, device)
     store = None
     if cfg.parallel.schedule == "zb":
         store = WeightGradStore()
@@ -47,15 +48,3 @@ def tied_head_weights(chunks: list[nn.Module], cfg, grid: Grid) -> list[nn.Param
         if chunk.head is not None and chunk.tok_embed is None:
             out.append(chunk.head.weight)
     return out
-
-
-def sync_tied_embedding_grads(chunks: list[nn.Module], cfg, grid: Grid) -> None:
-    """Sum the gradient of the shared embedding over the first and last pipeline stages, so the
-    two copies take identical optimizer steps and stay equal (as in Megatron)."""
-    weights = tied_head_weights(chunks, cfg, grid)
-    if not weights:
-        return
-    for w in weights:
-        if w.grad is None:
-            w.grad = torch.zeros_like(w)
-        dist.all_reduce(w.grad, group=grid.embed.pg)

@@ -24,6 +24,9 @@ class WeightGradStore:
     def __init__(self):
         self._key: Hashable | None = None
         self._queues: dict[Hashable, list[Callable[[], None]]] = {}
+        # How a deferred dW joins the parameter's gradient; data parallelism replaces it with
+        # its own (bucket bookkeeping: the reduction starts once every gradient has arrived).
+        self.accumulate: Callable[[torch.Tensor, torch.Tensor], None] = _accumulate
 
     @contextlib.contextmanager
     def defer(self, key: Hashable):
@@ -54,11 +57,12 @@ class WeightGradStore:
         return _DeferrableLinear.apply(x, weight, bias, self)
 
 
+@torch.no_grad()
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     if param.grad is None:
         param.grad = grad
     else:
-        param.grad += grad  # in place: the grad may be a view into a flat bucket buffer
+        param.grad += grad
 
 
 class _DeferrableLinear(torch.autograd.Function):
@@ -77,8 +81,9 @@ class _DeferrableLinear(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:  # a frozen weight: no dW at all
             return grad_x, None, grad_bias, None
         if ctx.store.deferring:
-            def weight_grad(g2=g2, x2=x2, weight=weight):
-                _accumulate(weight, g2.t().matmul(x2.to(g2.dtype)).to(weight.dtype))
+            def weight_grad(g2=g2, x2=x2, weight=weight, store=ctx.store):
+                with torch.no_grad():
+                    store.accumulate(weight, g2.t().matmul(x2.to(g2.dtype)).to(weight.dtype))
 
             ctx.store.put(weight_grad)
             return grad_x, None, grad_bias, None
