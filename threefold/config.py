@@ -234,14 +234,19 @@ def set_key(cfg: Config, dotted: str, raw: Any) -> None:
     setattr(getattr(cfg, section), key, _coerce(dotted, fields[key], raw))
 
 
-def load_toml(cfg: Config, path: str) -> None:
+def read_toml_file(path: str, key: str) -> dict:
+    """A TOML file's tables; a missing or malformed file is a ConfigError on `key`."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError("--config", f"file {path} does not exist")
+        raise ConfigError(key, f"file {path} does not exist")
     try:
-        data = tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as err:
-        raise ConfigError("--config", f"{path} is not valid TOML: {err}") from None
+        raise ConfigError(key, f"{path} is not valid TOML: {err}") from None
+
+
+def load_toml(cfg: Config, path: str) -> None:
+    data = read_toml_file(path, "--config")
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: {section}", "top-level entries must be [section] tables",

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from threefold.config import knob
+from threefold.config import knob, read_toml_file
 from threefold.errors import ConfigError
 
 GiB = float(1 << 30)
@@ -134,13 +132,7 @@ def _check_key(key: str, where: str) -> None:
 
 def read_profile(path: str) -> dict[str, Any]:
     """The [cluster] table of a profile TOML file, keys checked."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError("cluster.profile", f"file {path} does not exist")
-    try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError("cluster.profile", f"{path} is not valid TOML: {err}") from None
+    data = read_toml_file(path, "cluster.profile")
     table = data.get("cluster")
     if not isinstance(table, dict):
         raise ConfigError("cluster.profile", f"{path} has no [cluster] table", "write the keys under [cluster]")
