@@ -133,6 +133,7 @@ class DataParallel:
         if not views:
             return
         flat = torch.cat(views)
+        group.stats.record("all_reduce", flat.numel() * flat.element_size())
         dist.all_reduce(flat, group=group.pg)
         torch._foreach_copy_(views, list(flat.split([v.numel() for v in views])))
 
