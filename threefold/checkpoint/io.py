@@ -119,8 +119,8 @@ def load_into(tensors: list[LocalTensor], directory: Path, manifest: Manifest) -
             if any(h <= low for low, h in zip(lo, hi)):
                 continue
             if shard.file not in cache:
-                cache[shard.file] = torch.load(directory / shard.file, map_location="cpu", mmap=True,
-                                               weights_only=True)
+                path = directory / shard.file
+                cache[shard.file] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             src = cache[shard.file][shard.key][tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, shard.offsets))]
             dst = t.tensor[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, t.offsets))]
             with torch.no_grad():

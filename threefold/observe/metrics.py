@@ -121,12 +121,12 @@ def write_run_json(log_dir: str | Path, config_dict: dict, layout: dict, extra: 
                    device: torch.device | str | None = None) -> Path:
     """Write <log_dir>/run.json: resolved config, versions, layout, hardware, start time.
 
-    `device` defaults to the current CUDA device when there is one, else the CPU.
+    `device` is the device the run trains on (the training loop passes its own); without one
+    the hardware section describes the host CPU.
     Written to a temp file and renamed, so a reader never sees a partial file.
     """
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        device = torch.device("cpu")
     doc = {
         "config": config_dict,
         "versions": _versions(),
