@@ -114,18 +114,16 @@ def resolved_config(overrides: dict, log_dir, cache_dir: str, world: int | None 
     return validate(build_config(None, pairs), world).to_dict()
 
 
-def train_jobs(jobs: list[dict]) -> None:
-    """In each spawned rank: join once, then train every config (same world size) in turn.
+def train_configs(jobs: list[dict]) -> None:
+    """Train every config (same world size) in turn, inside an already joined group.
     Process groups are slow to create on gloo, so each layout's grid is built once."""
     import torch
 
     from threefold.config import Config
     from threefold.distributed.grid import Grid
-    from threefold.distributed.runtime import init_distributed, shutdown_distributed
     from threefold.train.loop import train
     from threefold.train.worker import layout_of
 
-    init_distributed(torch.device("cpu"), timeout_s=120)
     grids: dict = {}
     for cfg_dict in jobs:
         cfg = Config.from_dict(cfg_dict)
@@ -134,6 +132,16 @@ def train_jobs(jobs: list[dict]) -> None:
             grids[layout] = Grid.build(layout)
         grids[layout].tp.stats.reset()
         train(cfg, grids[layout], torch.device("cpu"))
+
+
+def train_jobs(jobs: list[dict]) -> None:
+    """In each spawned rank: join once, train every config, leave."""
+    import torch
+
+    from threefold.distributed.runtime import init_distributed, shutdown_distributed
+
+    init_distributed(torch.device("cpu"), timeout_s=120)
+    train_configs(jobs)
     shutdown_distributed()
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from harness import train_configs
 from threefold.config import Config, build_config
 from threefold.distributed.grid import Grid, Group, RankLayout
 from threefold.distributed.parallelize import build_model
@@ -211,22 +212,6 @@ def activation_memory(grid: Grid, overrides: dict, batch: int) -> dict:
     return {"per_layer": meter.per_layer(), "by_scope": dict(meter.by_scope)}
 
 
-def train_configs(grid_world: int, jobs: list[dict]) -> None:
-    """Train every config in `jobs` (resolved Config dicts) one after another in this group."""
-    from threefold.train.loop import train
-    from threefold.train.worker import layout_of
-
-    grids: dict = {}  # creating process groups is slow on gloo: one grid per layout
-    for cfg_dict in jobs:
-        cfg = Config.from_dict(cfg_dict)
-        layout = layout_of(cfg)
-        if layout not in grids:
-            grids[layout] = Grid.build(layout)
-        grid = grids[layout]
-        grid.tp.stats.reset()
-        train(cfg, grid, torch.device("cpu"))
-
-
 def run_plan(world: int, plan: list[tuple[str, dict]]) -> list:
     """Entry point of each spawned rank: join the group, run the checks in order, leave."""
     init_distributed(torch.device("cpu"), timeout_s=120)
@@ -244,7 +229,7 @@ def run_plan(world: int, plan: list[tuple[str, dict]]) -> list:
         elif kind == "memory":
             results.append(activation_memory(grid, kwargs["overrides"], kwargs["batch"]))
         elif kind == "train":
-            results.append(train_configs(world, kwargs["jobs"]))
+            results.append(train_configs(kwargs["jobs"]))
         else:
             raise ValueError(kind)
     shutdown_distributed()
