@@ -39,6 +39,14 @@ class ModelConfig:
     dropout: float = knob(0.0, "Dropout on attention/MLP outputs (0 keeps layouts bit-comparable)")
     tie_embeddings: bool = knob(False, "Share the input embedding with the output head (gpt presets: true)")
     init_std: float = knob(0.02, "Std of the normal init; output projections get std/sqrt(2*layers)")
+    num_experts: int = knob(0, "Routed experts per MoE layer (0 = dense MLPs everywhere)")
+    top_k: int = knob(2, "Experts each token is routed to")
+    moe_every: int = knob(1, "Every k-th block is MoE (layers k-1, 2k-1, ...); 1 = all blocks")
+    capacity_factor: float = knob(0.0, "Expert capacity = factor * tokens * top_k / experts; overflow is dropped "
+                                  "(0 = dropless)")
+    aux_loss_coeff: float = knob(0.01, "Weight of the Switch/GShard load-balancing loss")
+    z_loss_coeff: float = knob(0.001, "Weight of the router z-loss (mean squared log-sum-exp of router logits)")
+    shared_expert: bool = knob(False, "Add a dense MLP every token goes through beside the routed experts")
 
     @property
     def head_dim(self) -> int:
@@ -54,7 +62,7 @@ class ParallelConfig:
     pp: int = knob(1, "Pipeline-parallel degree")
     sp: bool = knob(False, "Sequence parallelism in the tensor-parallel group (needs tp > 1)")
     zero: int = knob(0, "ZeRO stage 0-3: shard optimizer state / gradients / parameters over dp", (0, 1, 2, 3))
-    ep: int = knob(1, "Expert-parallel degree, carved out of dp")
+    ep: int = knob(1, "Expert-parallel degree: experts sharded over ep ranks carved out of dp")
     cp: int = knob(1, "Context-parallel degree (reserved; must be 1)")
     vpp: int = knob(1, "Virtual pipeline chunks per rank (interleaved schedule)")
     schedule: str = knob("1f1b", "Pipeline schedule", ("gpipe", "1f1b", "interleaved", "zb"))

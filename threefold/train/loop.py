@@ -12,7 +12,7 @@ from torch import nn
 from threefold.checkpoint import find_resumable, load_into, open_checkpoint, save, training_state
 from threefold.data import GlobalBatchSampler, Prefetcher, load_tokens
 from threefold.distributed.comm import all_reduce_max, all_reduce_sum
-from threefold.distributed.data_parallel import DataParallel, MixedPrecision
+from threefold.distributed.data_parallel import MixedPrecision, build_data_parallel
 from threefold.distributed.data_parallel.state import refresh_params
 from threefold.distributed.grid import Grid
 from threefold.distributed.parallelize import build_model
@@ -22,6 +22,7 @@ from threefold.distributed.tensor_parallel import partial_grad_params
 from threefold.errors import DataError
 from threefold.observe import (MetricsWriter, device_peak_flops, mfu, peak_memory_bytes, train_flops_per_token,
                                write_run_json)
+from threefold.train.expert_load import ExpertLoad
 from threefold.train.optim import lr_at
 from threefold.train.status import StatusLine
 
@@ -77,9 +78,10 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
     tied = tied_head_weights(chunks, cfg, grid)  # the embedding and its copy on the last stage
     tied_copy = [w for c in chunks if c.tok_embed is None for w in tied_head_weights([c], cfg, grid)]
     precision = MixedPrecision.from_names(DTYPE_NAMES[dtype], t.grad_reduce_dtype, t.loss_scale)
-    engine = DataParallel(chunks, grid, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb,
-                          precision=precision, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                          own_bucket=tied)
+    engine = build_data_parallel(chunks, grid, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb,
+                                 precision=precision, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                                 own_bucket=tied)
+    expert_load = ExpertLoad.of(chunks, cfg, device)
     tp_partial = partial_grad_params(model)
     if executor.store is not None:  # zero-bubble W passes add their dW through the engine
         executor.store.accumulate = engine.accumulate_grad
@@ -111,6 +113,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
             tp_bytes0 = grid.tp.stats.total_bytes
             batches, data_wait = prefetch.get(step)
             lr = lr_at(step, t)
+            expert_load.set_loss_weight(engine.loss_scale)
             # Forward/backward of every micro-batch through this rank's stage, in schedule order;
             # each chunk's last backward runs outside no_sync so its gradient buckets start
             # reducing over dp while the rest of backward still runs.
@@ -144,7 +147,11 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
                 "dp_exposed_s": engine.comm_stats()["dp_exposed_s"], "loss_scale": engine.loss_scale,
                 "step_skipped": not applied,
             }
+            last.update(expert_load.collect(grid.world))
             metrics.write(last)
+            if last.get("moe_hot_experts") and is_logger and (step + 1) % cfg.log.interval == 0:
+                log(f"threefold: step {step + 1}: experts above 2x their layer's mean load: "
+                    f"{', '.join(last['moe_hot_experts'])}")
             status.update(step, loss_value, last["tokens_per_s"], last["mfu"])
             c = cfg.checkpoint
             if c.dir and ((c.interval and (step + 1) % c.interval == 0) or step + 1 == t.steps):
