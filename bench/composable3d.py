@@ -28,7 +28,6 @@ def torch_contestant(cfg, schedule: str, mesh, n_local_tokens: int):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch import nn
     from torch.distributed import pipelining
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -43,7 +42,7 @@ def torch_contestant(cfg, schedule: str, mesh, n_local_tokens: int):
     r = mesh["pp"].get_local_rank()
     first, last = r == 0, r == p - 1
     with torch.device("meta"):
-        chunk = Transformer(cfg.model, stage_layer_ids(cfg.model, p, 1)[r], first, last)
+        chunk = Transformer(cfg.model, stage_layer_ids(cfg.model, p, 1, cfg.parallel.stage_layers)[r], first, last)
     chunk.to_empty(device="cpu")
     init_weights(chunk, cfg.model, t.seed)  # the same layout-invariant values threefold's chunks hold
     _tp_plan(chunk, mesh["tp"])

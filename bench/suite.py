@@ -50,10 +50,11 @@ class Script:
     ratios: Callable[[object], dict[str, float]] = lambda rows: {}
     goals: dict[str, str] = field(default_factory=dict)
     note: str = ""
+    label: str = ""  # the section's name when one script runs twice with other arguments
 
     @property
     def name(self) -> str:
-        return self.module
+        return self.label or self.module
 
     def argv(self, quick: bool) -> list[str]:
         return shlex.split(self.quick if quick else self.full)

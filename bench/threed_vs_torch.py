@@ -203,7 +203,7 @@ def bench_worker(dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dic
                 now = time.perf_counter()
                 times[name].append(now - last)
                 last = now
-    layers = stage_layer_ids(m, pp, 1)[grid.pp_rank]
+    layers = stage_layer_ids(m, pp, 1, cfg.parallel.stage_layers)[grid.pp_rank]
     analytic = analytic_bytes(cfg, len(layers), grid.is_first_stage, grid.is_last_stage, tf_memory["numel"],
                               tf_memory["block_numel"])
     out = {"rank": grid.global_rank, "coords": (grid.dp_rank, grid.tp_rank, grid.pp_rank), "times": times,

@@ -89,6 +89,8 @@ def test_registry_names_modules_and_goal_prefixes():
         assert (ROOT / "bench" / f"{s.module}.py").is_file(), s.module
         assert s.command(True).startswith(f"python bench/{s.module}.py")
     assert "threed_vs_torch" in names
+    twice = suite.Script("pp_bubble", "Bubble, short stages", "--forward-ms 20", label="pp_bubble_20ms")
+    assert twice.name == "pp_bubble_20ms" and twice.command(False) == "python bench/pp_bubble.py --forward-ms 20"
 
 
 def test_unknown_section_is_one_line_exit_2(capsys):
