@@ -219,7 +219,9 @@ def table(checks: list[dict], perf: dict | None) -> str:
             lines.append(f"| {c['check']} | not served | {c['tolerance']:.0e} | - |")
             continue
         lines.append(f"| {c['check']} | {c['value']:.2e} | {c['tolerance']:.0e} | {'ok' if c['ok'] else 'FAIL'} |")
-    if perf:
+    if perf and perf.get("error"):
+        lines.append(f"\nperformance ({perf['model']}) failed: {perf['error']}")
+    elif perf:
         pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
         lines += ["", f"{perf['model']} in bf16 (fp32 master weights), {perf['tokens_per_step']:,} tokens per step, "
                   f"median of {perf['steps'] - perf['warmup']} steps after {perf['warmup']} warm-up", "",
@@ -263,10 +265,13 @@ def main(argv=None) -> int:
         perf = None
         if not args.skip_perf:
             label, overrides = pick_model(memory, args.tiny)
-            perf = performance(args.device, label, overrides, args.steps, cache_dir)
+            try:
+                perf = performance(args.device, label, overrides, args.steps, cache_dir)
+            except RuntimeError as err:  # e.g. out of memory: keep the checks, report the failure
+                perf = {"model": label, "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"}
     result = {"device": name, "memory_bytes": memory, "torch": torch.__version__, "cuda": torch.version.cuda,
               "seconds": time.perf_counter() - t0, "checks": checks, "performance": perf,
-              "all_ok": all(c["ok"] for c in checks)}
+              "all_ok": all(c["ok"] for c in checks) and not (perf or {}).get("error")}
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"\n{name}, torch {torch.__version__}, {result['seconds']:.0f} s; results in {args.json}\n")
     print(table(checks, perf))

@@ -129,7 +129,8 @@ def summary_table(results: list[Result]) -> list[str]:
             goal = goal_of(r, name)
             met = ("yes" if check_goal(value, goal) else "**no**") if goal else "-"
             shown = f"{value:.3f}" if value == 0 or abs(value) >= 1e-3 else f"{value:.1e}"
-            lines.append(f"| {r.name} | {name} | {shown} | {goal or '-'} | {met} |")
+            cell = name.replace("|", "\\|")  # a ratio's name must not split the table row
+            lines.append(f"| {r.name} | {cell} | {shown} | {goal or '-'} | {met} |")
     return lines
 
 

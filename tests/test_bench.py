@@ -68,6 +68,11 @@ def test_suite_writes_doc_from_scratch_with_machine_command_and_goals(fake_modul
     assert data["sections"][2]["error"].startswith("RuntimeError")
 
 
+def test_summary_escapes_pipes_in_ratio_names():
+    r = suite.Result("s", "S", "cmd", "", {"|a - 1|": 0.5})
+    assert suite.summary_table([r])[-1] == "| s | \\|a - 1\\| | 0.500 | - | - |"
+
+
 def test_quick_run_without_out_prints_and_writes_nothing(fake_module, tmp_path, capsys):
     assert bench_run.run_suite([fake()], True, None, None, "python bench/run.py --quick") == 0
     printed = capsys.readouterr().out
@@ -138,6 +143,8 @@ def test_gpu_table_marks_failures_and_unserved_backends():
     assert "| attention efficient bfloat16 | not served |" in text
     assert "| threefold | 500.0 | 2,000 | 40.0% |" in text and "| - |" in text
     assert text.rstrip().endswith("1.250")
+    failed = gpu.table(checks[:1], {"model": "gpt-1.3b", "error": "OutOfMemoryError: CUDA out of memory"})
+    assert failed.rstrip().endswith("performance (gpt-1.3b) failed: OutOfMemoryError: CUDA out of memory")
 
 
 def test_gpu_engine_adamw_matches_torch_on_cpu():
