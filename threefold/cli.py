@@ -39,7 +39,20 @@ def _checkpoint(argv: list[str]) -> int:
     return checkpoint_command(argv)
 
 
-COMMANDS = {"train": _train, "plan": _plan, "checkpoint": _checkpoint}
+def _bench(argv: list[str]) -> int:
+    """The benchmark suite lives beside the package (bench/run.py), in a source checkout."""
+    from pathlib import Path
+
+    run = Path(__file__).resolve().parents[1] / "bench" / "run.py"
+    if not run.is_file():
+        raise UserError(f"threefold bench: {run} not found (the suite runs from a source checkout of threefold)")
+    sys.path.insert(0, str(run.parent))
+    import run as bench_run
+
+    return bench_run.main(argv)
+
+
+COMMANDS = {"train": _train, "plan": _plan, "checkpoint": _checkpoint, "bench": _bench}
 
 
 def main(argv: list[str] | None = None) -> int:
