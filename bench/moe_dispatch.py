@@ -80,8 +80,8 @@ def _worker(rounds: int, steps: int, tokens: int, hidden: int, ffn: int, experts
     return {"times": times, "comm": comm}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="bench/moe_dispatch.py")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank per step")
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=512)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.tokens = 2, 2, 256
     results = run_ranks(_worker, WORLD, args.rounds, args.steps, args.tokens, args.hidden, args.ffn, args.experts,
@@ -98,7 +98,7 @@ def main() -> None:
           f"{WORLD} gloo ranks, {args.tokens} tokens per rank, {args.rounds} rounds x {args.steps} steps")
     print("| ep | experts per rank | fwd+bwd median (ms) | IQR (ms) | all-to-all (ms) | all-to-all share | tokens/s |")
     print("|---|---|---|---|---|---|---|")
-    base = None
+    base, rows = None, []
     for ep in EPS:
         # The step's time is the slowest rank's; all-to-all time as rank 0 saw it.
         steps = [max(r["times"][ep][i] for r in results) for i in range(len(results[0]["times"][ep]))]
@@ -109,6 +109,8 @@ def main() -> None:
         base = base or tps
         print(f"| {ep} | {args.experts // ep} | {med * 1e3:.1f} | {(q[2] - q[0]) * 1e3:.1f} | {comm * 1e3:.1f} | "
               f"{comm / med:.0%} | {tps:,.0f} ({tps / base:.2f}x ep1) |")
+        rows.append({"ep": ep, "step_s": med, "all_to_all_s": comm, "tokens_per_s": tps, "vs_ep1": tps / base})
+    return rows
 
 
 if __name__ == "__main__":

@@ -77,6 +77,12 @@ SECTIONS = [
            "", "--quick --pairs 1f1b interleaved",
            lambda rows: {f"{r['name']} p{r['p']} time": r["ratio"] for r in rows},
            {"gpipe": "<= 0.9", "1f1b": "<= 0.9", "interleaved": "<= 0.9"}),
+    Script("moe_dispatch", "Expert parallelism: all-to-all dispatch and MoE tokens/s (ep 1, 2, 4; 4 ranks)",
+           "--rounds 5 --steps 5", "--quick",
+           lambda rows: {**{f"ep{r['ep']} / ep1 tokens/s": r["vs_ep1"] for r in rows[1:]},
+                         **{f"ep{r['ep']} all-to-all share": r["all_to_all_s"] / r["step_s"] for r in rows[1:]}},
+           note="On one CPU box ep trades each rank's share of expert matmuls for all-to-all traffic; the "
+                "ratios show what that exchange costs over gloo, not a speed-up to expect from CPUs."),
     Script("threed_vs_torch", "Full 3D vs PyTorch's composable stack (FSDP2 + DTensor TP + pipelining)",
            "--rounds 4 --steps 3", "--quick", _threed_ratios,
            {"tokens/s": ">= 1.0", "max loss": "<= 1e-05", "memory": "<= 1.05"}),
