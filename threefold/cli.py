@@ -33,6 +33,12 @@ def _plan(argv: list[str]) -> int:
     return plan_command(argv)
 
 
+def _memory(argv: list[str]) -> int:
+    from threefold.train.memory_command import memory_command
+
+    return memory_command(argv)
+
+
 def _checkpoint(argv: list[str]) -> int:
     from threefold.checkpoint.command import checkpoint_command
 
@@ -52,7 +58,7 @@ def _bench(argv: list[str]) -> int:
     return bench_run.main(argv)
 
 
-COMMANDS = {"train": _train, "plan": _plan, "checkpoint": _checkpoint, "bench": _bench}
+COMMANDS = {"train": _train, "memory": _memory, "plan": _plan, "checkpoint": _checkpoint, "bench": _bench}
 
 
 def main(argv: list[str] | None = None) -> int:

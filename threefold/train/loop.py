@@ -69,7 +69,10 @@ def resume(cfg, state, engine, log) -> int:
     return manifest.step
 
 
-def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
+def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
+    """Run cfg.train.steps steps; returns the last step's metrics. `probe` (threefold memory's
+    MemoryProbe) watches the activations of each step's schedule and measures the model state
+    after its optimizer step."""
     m, t = cfg.model, cfg.train
     is_logger = grid.global_rank == 0
     dtype = resolve_dtype(t.dtype, device)
@@ -117,7 +120,8 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
             # Forward/backward of every micro-batch through this rank's stage, in schedule order;
             # each chunk's last backward runs outside no_sync so its gradient buckets start
             # reducing over dp while the rest of backward still runs.
-            loss_sum, pipe = executor.run(batches, tokens_per_step / engine.loss_scale, no_sync=engine.no_sync)
+            with probe.watch(chunks) if probe else contextlib.nullcontext():
+                loss_sum, pipe = executor.run(batches, tokens_per_step / engine.loss_scale, no_sync=engine.no_sync)
             engine.finish()
             # Tensor parallel: replicated parameters whose gradient each TP rank holds a part of
             # (norms under SP, kv heads shared when kv_heads < tp) are summed over the TP group;
@@ -127,6 +131,8 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
                 engine.all_reduce_grads_of(tied, grid.embed)
             grad_norm = engine.grad_norm([grid.pp], exclude=tied_copy)
             applied = engine.step(lr, grad_norm, t.grad_clip)
+            if probe:
+                probe.after_step(engine)
             engine.zero_grad()
             all_reduce_sum(loss_sum, grid.pp)  # only the last stage computed a loss
             all_reduce_sum(loss_sum, grid.dp)
@@ -157,4 +163,6 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
             if c.dir and ((c.interval and (step + 1) % c.interval == 0) or step + 1 == t.steps):
                 save(c.dir, step + 1, state, cfg.to_dict(), grid.describe(), {"optimizer_step": step + 1}, c.keep)
     metrics.close()
+    if probe:
+        return probe.gather(cfg, grid, chunks, dtype)
     return last
