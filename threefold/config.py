@@ -165,6 +165,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-7b": dict(hidden=4096, layers=32, heads=32, kv_heads=32, ffn_hidden=11008, vocab=32000, seq_len=4096),
     "llama-70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, ffn_hidden=28672, vocab=32000,
                       seq_len=4096, rope_theta=500000.0),
+    # OLMoE-1B-7B (Muennighoff et al. 2024): 64 SwiGLU experts of width 1024 per block, top-8;
+    # 6.9B parameters, 1.3B active. (Its QK-norm is not modelled; shapes and counts match.)
+    "olmoe-1b-7b": dict(hidden=2048, layers=16, heads=16, kv_heads=16, ffn_hidden=1024, vocab=50304,
+                        seq_len=4096, num_experts=64, top_k=8),
 }
 
 
