@@ -27,6 +27,12 @@ def test_override_types_and_both_spellings():
     assert cfg.parallel.dp == 2 and cfg.train.lr == 0.01 and cfg.parallel.sp is False
 
 
+def test_a_value_given_beats_the_preset_even_when_it_is_the_default():
+    cfg = build_config(None, [("model.preset", "olmoe-1b-7b"), ("model.top_k", "2")])
+    assert cfg.model.top_k == 2 and cfg.model.num_experts == 64  # 2 is top_k's default; 64 from the preset
+    assert build_config(None, [("model.preset", "olmoe-1b-7b")]).model.top_k == 8
+
+
 def test_explicit_shape_beats_preset():
     cfg = cfg_with(("model.preset", "small"), ("model.layers", "2"))
     assert cfg.model.layers == 2 and cfg.model.hidden == PRESETS["small"]["hidden"]

@@ -172,13 +172,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def apply_preset(model: ModelConfig) -> None:
-    """Fill shape fields left at their zero default from the named preset."""
+def apply_preset(model: ModelConfig, explicit: set[str] = frozenset()) -> None:
+    """Fill the shape fields the user did not set (`explicit`: "model.<key>" names given in
+    the TOML file or on the command line) from the named preset. A value the user gave wins
+    even when it equals the field's default (e.g. top_k 2 over a top-8 preset)."""
     if model.preset not in PRESETS:
         raise ConfigError("model.preset", f"unknown preset {model.preset!r}", "valid: " + ", ".join(PRESETS))
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     for key, value in PRESETS[model.preset].items():
-        if getattr(model, key) == defaults[key]:
+        if f"model.{key}" not in explicit or getattr(model, key) == 0:  # 0 also means "from the preset"
             setattr(model, key, value)
     if model.kv_heads == 0:
         model.kv_heads = model.heads
@@ -257,14 +258,18 @@ def read_toml_file(path: str, key: str) -> dict:
         raise ConfigError(key, f"{path} is not valid TOML: {err}") from None
 
 
-def load_toml(cfg: Config, path: str) -> None:
+def load_toml(cfg: Config, path: str) -> list[str]:
+    """Set every key of the TOML file; returns their dotted names."""
     data = read_toml_file(path, "--config")
+    keys = []
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: {section}", "top-level entries must be [section] tables",
                               "sections: " + ", ".join(SECTIONS))
         for key, value in values.items():
             set_key(cfg, f"{section}.{key}", value)
+            keys.append(f"{section}.{key}")
+    return keys
 
 
 def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
@@ -290,11 +295,11 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
 def build_config(config_file: str | None, overrides: list[tuple[str, str]]) -> Config:
     """Defaults <- TOML file <- command-line overrides <- preset shape for unset fields."""
     cfg = Config()
-    if config_file:
-        load_toml(cfg, config_file)
+    explicit = set(load_toml(cfg, config_file)) if config_file else set()
     for key, value in overrides:
         set_key(cfg, key, value)
-    apply_preset(cfg.model)
+        explicit.add(key.lstrip("-").replace("-", "_"))
+    apply_preset(cfg.model, explicit)
     return cfg
 
 

@@ -185,11 +185,6 @@ def validate_pipeline(cfg: Config) -> None:
                           "each virtual stage needs at least one layer")
     if p.stage_layers:
         parse_stage_layers(p.stage_layers, m.layers, stages)
-    if p.schedule == "zb" and p.zero >= 2 and p.dp > 1:
-        # Deferred weight gradients arrive outside autograd; the sharded-gradient stages do not
-        # yet take them in.
-        raise ConfigError("parallel.zero", f"{p.zero} with parallel.schedule zb is not supported",
-                          "use zero 0 or 1 with zb, or another schedule with zero 2/3")
     check_args(p.schedule, p.pp, p.microbatches, p.vpp)
 
 

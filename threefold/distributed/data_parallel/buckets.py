@@ -108,7 +108,7 @@ class GradBuckets:
                     view.add_(p.grad)
                     p.grad = view
                 self._arrived(i)
-            else:
+            elif p.grad is not None:  # None: a zero-bubble B deferred this weight's dW to its W action
                 grad, p.grad = p.grad, None
                 self.accumulate(i, grad)
         return hook
