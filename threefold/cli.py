@@ -39,7 +39,26 @@ def _checkpoint(argv: list[str]) -> int:
     return checkpoint_command(argv)
 
 
-COMMANDS = {"train": _train, "plan": _plan, "checkpoint": _checkpoint}
+def _data(argv: list[str]) -> int:
+    from threefold.data.prepare import data_command
+
+    return data_command(argv)
+
+
+def _eval(argv: list[str]) -> int:
+    from threefold.inference.evaluate_command import eval_command
+
+    return eval_command(argv)
+
+
+def _generate(argv: list[str]) -> int:
+    from threefold.inference.generate import generate_command
+
+    return generate_command(argv)
+
+
+COMMANDS = {"train": _train, "plan": _plan, "checkpoint": _checkpoint, "data": _data, "eval": _eval,
+            "generate": _generate}
 
 
 def main(argv: list[str] | None = None) -> int:
