@@ -51,6 +51,8 @@ def test_round_trip_is_bit_exact(kind, models, tmp_path):
     assert sorted(before) == sorted(after)
     for name, t in before.items():
         assert after[name].dtype == t.dtype and torch.equal(after[name], t), name
+    original, exported = (json.loads((d / "config.json").read_text()) for d in (hf_dir, out))
+    assert {k: v for k, v in original.items() if exported.get(k) != v} == {}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -114,3 +116,22 @@ def test_imported_checkpoint_trains_its_shape(models):
     m = manifest.config["model"]
     assert (m["arch"], m["hidden"], m["kv_heads"], m["qkv_bias"], m["tie_embeddings"]) == ("llama", 64, 1, True, True)
     assert manifest.tensors["model/layers.0.attn.wk.bias"].shape == [16]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_threefold_trained_model_exports_to_transformers(arch, tmp_path, cache_dir):
+    from harness import run_training
+    from threefold.inference.generate import load_consolidated
+
+    overrides = {"model.preset": "tiny", "model.arch": arch, "model.hidden": 64, "model.layers": 2,
+                 "model.seq_len": 32, "model.kv_heads": 4 if arch == "gpt2" else 2,
+                 "model.tie_embeddings": arch == "gpt2", "train.steps": 2, "train.global_batch": 2,
+                 "train.micro_batch": 2, "checkpoint.dir": str(tmp_path / "ckpt")}
+    run_training(overrides, tmp_path / "log", cache_dir)
+    assert main(["checkpoint", "export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ours, _ = load_consolidated(str(tmp_path / "ckpt"), torch.device("cpu"))
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (hf(tokens).logits - ours(tokens).transpose(0, 1)).abs().max().item()
+    assert diff < 1e-4

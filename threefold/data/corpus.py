@@ -220,7 +220,6 @@ def write_token_file(files, tok, bin_path: Path, batch: int = 64) -> dict:
         return [np.asarray(ids) for ids in tok.encode_batch([d.decode("utf-8") for d in texts])]
 
     def write(fh):
-        nonlocal num_tokens, documents
         pending: list[bytes] = []
 
         def flush():

@@ -125,6 +125,8 @@ def eval_command(argv: list[str]) -> int:
         raise DataError(f"{stream.source}: token ids go up to vocab {stream.vocab_size} but the checkpoint's "
                         f"model.vocab is {m.vocab}")
     result = run_eval(cfg, args.checkpoint)
+    if int(os.environ.get("RANK", 0)) != 0:  # under torchrun every process runs this command
+        return 0
     if args.json:
         print(json.dumps(result))
     else:

@@ -94,13 +94,16 @@ def hf_config(m: dict, base: dict | None = None) -> dict:
                    scale_attn_by_inverse_layer_idx=False)
         if base is None:
             out.update(resid_pdrop=drop, embd_pdrop=drop, attn_pdrop=0.0, initializer_range=m["init_std"])
+        elif base.get("n_inner") is None and m["ffn_hidden"] == 4 * m["hidden"]:
+            out["n_inner"] = None  # "4 x n_embd", as the imported config said
         return out
     kind = "qwen2" if m.get("qkv_bias") else "llama"
     out.update(architectures=[ARCHITECTURES[kind]], model_type=kind, hidden_size=m["hidden"],
                num_hidden_layers=m["layers"], num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"],
                intermediate_size=m["ffn_hidden"], vocab_size=m["vocab"], max_position_embeddings=m["seq_len"],
                rms_norm_eps=m["norm_eps"], hidden_act="silu", tie_word_embeddings=m["tie_embeddings"],
-               head_dim=m["hidden"] // m["heads"], rope_parameters={"rope_type": "default", "rope_theta": m["rope_theta"]})
+               head_dim=m["hidden"] // m["heads"],
+               rope_parameters={"rope_type": "default", "rope_theta": m["rope_theta"]})
     out.pop("rope_theta", None)
     out.pop("rope_scaling", None)
     if kind == "llama":
