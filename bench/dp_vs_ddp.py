@@ -1,6 +1,6 @@
 """threefold data parallelism vs PyTorch's own, side by side on CPU/gloo (2 ranks by default).
 
-    python bench/dp_vs_ddp.py [--ranks 2] [--rounds 6] [--steps 4] [--layers 4] [--bucket-mb 1]
+    python bench/dp_vs_ddp.py [--ranks 2] [--rounds 6] [--steps 4] [--layers 4] [--bucket-mb 1] [--quick]
 
 Matchups (the same model, init, data, AdamW hyper-parameters and clipping at 1.0):
   threefold zero 0  vs  torch DistributedDataParallel + AdamW          (goal: time ratio <= 1.0)
@@ -180,7 +180,7 @@ def _row(name: str, times: dict, memory: dict | None = None) -> str:
     return f"| {name} | {cell(a)} | {cell(b)} | {a[0] / b[0]:.2f} | {mem} |"
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
@@ -188,7 +188,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--bucket-mb", type=float, default=1.0)
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="1 round of 2 steps, 1 warm-up step")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 1, 2, 1
     r = spawn(_worker, args.ranks, args)[0]
     print(f"\n{args.ranks} ranks, tiny llama ({r['params']:,} parameters, {args.layers} blocks), seq 64, "
           f"8 sequences/rank/step, bucket {args.bucket_mb} MB; {args.rounds} rounds x {args.steps} steps "
@@ -205,6 +208,7 @@ def main() -> None:
         o = r[key]
         print(f"| {name} | {o['buckets']} | {o['serial'] * 1e3:.2f} | {o['exposed'] * 1e3:.2f} | "
               f"{1 - o['exposed'] / o['serial']:.2f} |")
+    return r
 
 
 if __name__ == "__main__":

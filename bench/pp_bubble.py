@@ -20,7 +20,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from harness import run_ranks  # noqa: E402
 
 
-def bubble_worker(schedule: str, p: int, m: int, v: int, forward_s: float, steps: int) -> list[float]:
+def bubble_worker(cases: list[tuple[str, int]], p: int, m: int, forward_s: float, steps: int) -> dict:
+    """Every (schedule, v) case in turn, in one process group (groups are slow to create on
+    gloo); per case, this rank's bubble per step."""
     import torch
 
     from threefold.distributed.grid import Grid, RankLayout
@@ -31,31 +33,34 @@ def bubble_worker(schedule: str, p: int, m: int, v: int, forward_s: float, steps
     from threefold.distributed.pipeline.weight_grad import WeightGradStore, attach_weight_grad_store
     from threefold.distributed.runtime import init_distributed, shutdown_distributed
 
-    init_distributed(torch.device("cpu"), timeout_s=120)
+    init_distributed(torch.device("cpu"), timeout_s=300)
     grid = Grid.build(RankLayout(pp=p))
-    r, stages = grid.pp_rank, p * v
-    chunks = [SleepStage(forward_s / v, last=(c * p + r == stages - 1)) for c in range(v)]
-    store = WeightGradStore() if schedule == "zb" else None
-    if store:
-        attach_weight_grad_store(chunks, store)
-    wire = WireFormat((4, 4), torch.float32, torch.device("cpu"))
-    plan = StagePlan(chunks, [c * p + r == 0 for c in range(v)], [c * p + r == stages - 1 for c in range(v)],
-                     wire, grid.pp)
-    executor = PipelineExecutor(plan, build_schedule(schedule, p, m, v)[r], store)
-    micro = [(torch.ones(4, 4), torch.zeros(4, 4)) for _ in range(m)]
-    bubbles = []
-    for _ in range(steps + 1):
-        _, stats = executor.run(micro, loss_scale=1.0)
-        busy = sum(stats.compute_s.values())
-        bubbles.append(1.0 - busy / stats.wall_s)
+    out = {}
+    for schedule, v in cases:
+        r, stages = grid.pp_rank, p * v
+        chunks = [SleepStage(forward_s / v, last=(c * p + r == stages - 1)) for c in range(v)]
+        store = WeightGradStore() if schedule == "zb" else None
+        if store:
+            attach_weight_grad_store(chunks, store)
+        wire = WireFormat((4, 4), torch.float32, torch.device("cpu"))
+        plan = StagePlan(chunks, [c * p + r == 0 for c in range(v)], [c * p + r == stages - 1 for c in range(v)],
+                         wire, grid.pp)
+        executor = PipelineExecutor(plan, build_schedule(schedule, p, m, v)[r], store)
+        micro = [(torch.ones(4, 4), torch.zeros(4, 4)) for _ in range(m)]
+        bubbles = []
+        for _ in range(steps + 1):
+            _, stats = executor.run(micro, loss_scale=1.0)
+            busy = sum(stats.compute_s.values())
+            bubbles.append(1.0 - busy / stats.wall_s)
+        out[schedule] = bubbles[1:]  # the first step warms up the transfers
     shutdown_distributed()
-    return bubbles[1:]  # the first step warms up the process group
+    return out
 
 
-def measure(schedule: str, p: int, m: int, v: int, forward_ms: float, steps: int) -> float:
-    per_rank = run_ranks(bubble_worker, p, schedule, p, m, v, forward_ms / 1e3, steps, timeout=300)
-    per_step = [statistics.mean(rank[i] for rank in per_rank) for i in range(steps)]
-    return statistics.median(per_step)
+def measure(cases: list[tuple[str, int]], p: int, m: int, forward_ms: float, steps: int) -> dict[str, float]:
+    per_rank = run_ranks(bubble_worker, p, cases, p, m, forward_ms / 1e3, steps, timeout=900)
+    return {s: statistics.median(statistics.mean(rank[s][i] for rank in per_rank) for i in range(steps))
+            for s, _ in cases}
 
 
 def theory(schedule: str, p: int, m: int, v: int) -> float:
@@ -72,10 +77,13 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
     rows = []
+    cases = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]
+    measured = measure(cases, args.p, args.m, args.forward_ms, args.steps)
+    print(f"Stage forward {args.forward_ms:g} ms, {args.steps} steps after one warm-up step\n")
     print("| schedule | p | m | v | measured bubble | theory | measured/theory |")
     print("|---|---|---|---|---|---|---|")
-    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)):
-        got, want = measure(schedule, args.p, args.m, v, args.forward_ms, args.steps), theory(schedule, args.p, args.m, v)
+    for schedule, v in cases:
+        got, want = measured[schedule], theory(schedule, args.p, args.m, v)
         rows.append({"schedule": schedule, "p": args.p, "m": args.m, "v": v, "measured": got, "theory": want})
         print(f"| {schedule} | {args.p} | {args.m} | {v} | {got:.3f} | {want:.3f} | {got / want:.2f} |", flush=True)
     return rows

@@ -46,7 +46,7 @@ def make_cfg(cache_dir: str, **extra):
 def make_grid(dp_ranks: list[int] | None = None, dp_pg=None) -> Grid:
     """A grid whose only non-trivial group is dp (sub-groups of one spawned world)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    groups = {n: Group(n, [rank], None) for n in ("tp", "pp", "cp", "ep", "edp", "dp_cp", "mp", "world")}
+    groups = {n: Group(n, [rank], None) for n in ("tp", "pp", "cp", "ep", "edp", "expert_dp", "dp_cp", "mp", "world")}
     groups["dp"] = Group("dp", dp_ranks, dp_pg) if dp_ranks and len(dp_ranks) > 1 else Group("dp", [rank], None)
     return Grid(RankLayout(dp=groups["dp"].size), rank, groups)
 

@@ -114,7 +114,7 @@ def check_layers(tp: Group, sp: bool) -> float:
 
 def reference_grid() -> SimpleNamespace:
     """The grid of an unsharded model (tp 1), usable inside a multi-rank job."""
-    return SimpleNamespace(tp=Group("tp", [0], None), dp_rank=0, pp_rank=0, tp_rank=0)
+    return SimpleNamespace(tp=Group("tp", [0], None), ep=Group("ep", [0], None), dp_rank=0, pp_rank=0, tp_rank=0)
 
 
 def model_config(overrides: dict) -> Config:

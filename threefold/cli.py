@@ -39,6 +39,12 @@ def _plan(argv: list[str]) -> int:
     return plan_command(argv)
 
 
+def _memory(argv: list[str]) -> int:
+    from threefold.train.memory_command import memory_command
+
+    return memory_command(argv)
+
+
 def _checkpoint(argv: list[str]) -> int:
     from threefold.checkpoint.command import checkpoint_command
 
@@ -63,8 +69,21 @@ def _generate(argv: list[str]) -> int:
     return generate_command(argv)
 
 
-COMMANDS = {"train": _train, "plan": _plan, "checkpoint": _checkpoint, "data": _data, "eval": _eval,
-            "generate": _generate}
+def _bench(argv: list[str]) -> int:
+    """The benchmark suite lives beside the package (bench/run.py), in a source checkout."""
+    from pathlib import Path
+
+    run = Path(__file__).resolve().parents[1] / "bench" / "run.py"
+    if not run.is_file():
+        raise UserError(f"threefold bench: {run} not found (the suite runs from a source checkout of threefold)")
+    sys.path.insert(0, str(run.parent))
+    import run as bench_run
+
+    return bench_run.main(argv)
+
+
+COMMANDS = {"train": _train, "memory": _memory, "plan": _plan, "checkpoint": _checkpoint, "bench": _bench,
+            "data": _data, "eval": _eval, "generate": _generate}
 
 
 def main(argv: list[str] | None = None) -> int:

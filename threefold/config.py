@@ -40,6 +40,14 @@ class ModelConfig:
     qkv_bias: bool = knob(False, "Biases on the q/k/v projections of llama (Qwen2-style); gpt2 always has biases")
     tie_embeddings: bool = knob(False, "Share the input embedding with the output head (gpt presets: true)")
     init_std: float = knob(0.02, "Std of the normal init; output projections get std/sqrt(2*layers)")
+    num_experts: int = knob(0, "Routed experts per MoE layer (0 = dense MLPs everywhere)")
+    top_k: int = knob(2, "Experts each token is routed to")
+    moe_every: int = knob(1, "Every k-th block is MoE (layers k-1, 2k-1, ...); 1 = all blocks")
+    capacity_factor: float = knob(0.0, "Expert capacity = factor * tokens * top_k / experts; overflow is dropped "
+                                  "(0 = dropless)")
+    aux_loss_coeff: float = knob(0.01, "Weight of the Switch/GShard load-balancing loss")
+    z_loss_coeff: float = knob(0.001, "Weight of the router z-loss (mean squared log-sum-exp of router logits)")
+    shared_expert: bool = knob(False, "Add a dense MLP every token goes through beside the routed experts")
 
     @property
     def head_dim(self) -> int:
@@ -55,7 +63,7 @@ class ParallelConfig:
     pp: int = knob(1, "Pipeline-parallel degree")
     sp: bool = knob(False, "Sequence parallelism in the tensor-parallel group (needs tp > 1)")
     zero: int = knob(0, "ZeRO stage 0-3: shard optimizer state / gradients / parameters over dp", (0, 1, 2, 3))
-    ep: int = knob(1, "Expert-parallel degree, carved out of dp")
+    ep: int = knob(1, "Expert-parallel degree: experts sharded over ep ranks carved out of dp")
     cp: int = knob(1, "Context-parallel degree (reserved; must be 1)")
     vpp: int = knob(1, "Virtual pipeline chunks per rank (interleaved schedule)")
     schedule: str = knob("1f1b", "Pipeline schedule", ("gpipe", "1f1b", "interleaved", "zb"))
@@ -163,6 +171,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-7b": dict(hidden=4096, layers=32, heads=32, kv_heads=32, ffn_hidden=11008, vocab=32000, seq_len=4096),
     "llama-70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, ffn_hidden=28672, vocab=32000,
                       seq_len=4096, rope_theta=500000.0),
+    # OLMoE-1B-7B (Muennighoff et al. 2024): 64 SwiGLU experts of width 1024 per block, top-8;
+    # 6.9B parameters, 1.3B active. (Its QK-norm is not modelled; shapes and counts match.)
+    "olmoe-1b-7b": dict(hidden=2048, layers=16, heads=16, kv_heads=16, ffn_hidden=1024, vocab=50304,
+                        seq_len=4096, num_experts=64, top_k=8),
 }
 
 

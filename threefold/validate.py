@@ -36,6 +36,26 @@ def validate_model(cfg: Config) -> None:
         raise ConfigError("model.kv_heads", "gpt2 uses plain multi-head attention", f"set it to {m.heads}")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError("model.dropout", f"{m.dropout} is outside [0, 1)")
+    validate_moe(cfg)
+
+
+def validate_moe(cfg: Config) -> None:
+    """Mixture-of-experts shape; ep's own rules are in validate_parallel."""
+    m = cfg.model
+    _positive("model.num_experts", m.num_experts, allow_zero=True)
+    if m.num_experts == 0:
+        return
+    _positive("model.top_k", m.top_k)
+    _positive("model.moe_every", m.moe_every)
+    if m.top_k > m.num_experts:
+        raise ConfigError("model.top_k", f"{m.top_k} is more than model.num_experts ({m.num_experts})",
+                          f"valid: 1 to {m.num_experts}")
+    if m.moe_every > m.layers:
+        raise ConfigError("model.moe_every", f"{m.moe_every} is more than model.layers ({m.layers}): no block "
+                          "would be MoE", f"valid: 1 to {m.layers}")
+    for key in ("capacity_factor", "aux_loss_coeff", "z_loss_coeff"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}", f"must be >= 0, got {getattr(m, key)}")
 
 
 def _valid_tp(cfg: Config) -> list[int]:
@@ -82,20 +102,24 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
     _positive("parallel.bucket_mb", p.bucket_mb)
     if p.dp % p.ep:
         raise ConfigError("parallel.ep", f"ep ({p.ep}) does not divide dp ({p.dp})",
-                          "experts are carved out of data-parallel ranks")
-    _not_yet(cfg)
+                          "experts are carved out of data-parallel ranks: " + _divisors(p.dp))
+    if p.ep > 1 and m.num_experts == 0:
+        raise ConfigError("parallel.ep", f"{p.ep} needs a mixture-of-experts model", "set model.num_experts or ep 1")
+    if m.num_experts and m.num_experts % p.ep:
+        raise ConfigError("parallel.ep", f"model.num_experts ({m.num_experts}) is not divisible by ep ({p.ep})",
+                          "each expert-parallel rank holds an equal share: " + _divisors(m.num_experts))
+    if m.num_experts and p.tp > 1:
+        # The MoE layers split their tokens over the TP ranks (experts are not tensor-sharded).
+        _divides("parallel.tp", "model.seq_len", m.seq_len, "parallel.tp", p.tp,
+                 "MoE layers split the sequence over tp")
+    _checkpoint_keys(cfg)
     world = p.dp * p.tp * p.pp * p.cp
     if world_size is not None and world != world_size:
         raise ConfigError("parallel", f"dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {world} but torchrun started {world_size} "
                           "processes", "make the product equal the world size, or set parallel.dp 0")
 
 
-def _not_yet(cfg: Config) -> None:
-    """Dimensions the grid reserves but the training loop cannot run yet: refuse, never ignore."""
-    p = cfg.parallel
-    for key, value, ok in (("parallel.ep", p.ep, 1),):
-        if value != ok:
-            raise ConfigError(key, f"{value} is not supported by this version of threefold", f"valid: {ok}")
+def _checkpoint_keys(cfg: Config) -> None:
     c = cfg.checkpoint
     if c.resume == "auto" and not c.dir:
         raise ConfigError("checkpoint.resume", "'auto' looks for checkpoints in checkpoint.dir, which is empty",

@@ -27,15 +27,18 @@ class LocalTensor:
 
 
 def _logical_names(chunks: list[nn.Module], aliases: dict[int, str]) -> dict[int, tuple]:
-    """id(param) -> (logical name, its ShardSpec or None, is an alias), first name wins (tied)."""
+    """id(param) -> (logical name, its ShardSpec or None, is an alias, the shard group's name),
+    first name wins (tied)."""
     out: dict[int, tuple] = {}
     for chunk in chunks:
         for mod_name, module in chunk.named_modules():
             specs = getattr(module, "shard_specs", {})
+            group = getattr(getattr(module, "shard_group", None), "name", None)
             for pname, p in module.named_parameters(recurse=False):
                 if id(p) not in out:
                     alias = aliases.get(id(p))
-                    out[id(p)] = (alias or (f"{mod_name}.{pname}" if mod_name else pname), specs.get(pname), bool(alias))
+                    out[id(p)] = (alias or (f"{mod_name}.{pname}" if mod_name else pname), specs.get(pname),
+                                  bool(alias), group)
     return out
 
 
@@ -51,20 +54,32 @@ def training_state(chunks: list[nn.Module], engine, grid, aliases: dict[int, str
     tensor, so all of them write; with ZeRO 0 dp rank 0 writes. `aliases` maps a parameter that
     is a copy of another logical tensor (the last stage's copy of a tied embedding:
     "tok_embed.weight") to that name: it is loaded from it and never written."""
+    names = _logical_names(chunks, aliases or {})
+    out = []
+    for part in getattr(engine, "engines", [engine]):  # dense + expert engines of an MoE model
+        out += _engine_state(part, names, grid)
+    return out
+
+
+def _engine_state(engine, names: dict, grid) -> list[LocalTensor]:
     from threefold.distributed.data_parallel.state import owned_pieces
 
-    names = _logical_names(chunks, aliases or {})
     shapes = {id(p): tuple(engine.layout.slots[i].shape) for i, p in enumerate(engine.params)}
+    # Replicas of a slice: the engine's group (dp, or expert_dp for experts, which spans tp),
+    # plus the TP ranks of a tensor the TP ranks all hold whole (when the group leaves tp out).
+    tp_replicated = grid.tp.size > 1 and not set(grid.tp.ranks) <= set(engine.group.ranks)
     out = []
     for piece in owned_pieces(engine):
-        name, spec, alias = names[id(piece.param)]
+        name, spec, alias, group = names[id(piece.param)]
         offsets = list(piece.offsets)
         if spec is None:
             full = shapes[id(piece.param)]
         else:
             full = tuple(spec.full_shape)
             offsets[spec.dim] += spec.start
-        write = (engine.zero >= 1 or grid.dp_rank == 0) and (spec is not None or grid.tp_rank == 0) and not alias
+        tp_sharded = spec is not None and group == "tp"
+        write = ((engine.zero >= 1 or engine.group.rank == 0)
+                 and (tp_sharded or not tp_replicated or grid.tp_rank == 0) and not alias)
         for kind, tensor in piece.tensors.items():
             out.append(LocalTensor(f"{KINDS[kind]}/{name}", tensor, full, tuple(offsets), write))
     return out
@@ -80,7 +95,7 @@ def model_tensors(chunks: list[nn.Module], aliases: dict[int, str] | None = None
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            name, spec, _ = names[id(p)]
+            name, spec = names[id(p)][:2]
             full, offsets = tuple(p.shape), [0] * p.dim()
             if spec is not None:
                 full = tuple(spec.full_shape)

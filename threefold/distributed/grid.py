@@ -91,6 +91,9 @@ class RankLayout:
             "cp": self.groups(("cp",)),
             "ep": self.groups(("ep",)),
             "edp": self.groups(("dp",)),
+            # Replicas of one expert shard: experts are whole on every TP rank (which split
+            # the tokens), so their gradients are summed over tp and edp in one collective.
+            "expert_dp": self.groups(("tp", "cp", "dp")),
             "dp_cp": self.groups(("cp", "ep", "dp")),
             "mp": self.groups(("tp", "pp")),
             # First and last pipeline stage of each pipeline: they share tied embeddings.
@@ -168,6 +171,7 @@ class Grid:
         self._groups = groups
         self.tp, self.pp, self.dp, self.cp = groups["tp"], groups["pp"], groups["dp"], groups["cp"]
         self.ep, self.edp, self.dp_cp, self.mp = groups["ep"], groups["edp"], groups["dp_cp"], groups["mp"]
+        self.expert_dp = groups["expert_dp"]
         self.embed = groups.get("embed")  # None on ranks between the first and last stage
         self.world = groups["world"]
 

@@ -2,7 +2,8 @@
 
 The order is fixed (as in torchtitan):
   1. construct the plain model on the meta device (no memory);
-  2. tensor/sequence parallelism swaps linears, embedding and loss for sharded ones;
+  2. tensor/sequence parallelism swaps linears, embedding and loss for sharded ones; expert
+     parallelism keeps this rank's experts and routes tokens to the others by all-to-all;
   3. activation recomputation wraps blocks (after TP, so a rerun repeats the TP collectives);
   4. materialize only this rank's shards, re-tie tied weights, fill them with the
      layout-invariant initializer;
@@ -15,6 +16,7 @@ import hashlib
 import torch
 from torch import nn
 
+from threefold.distributed.expert_parallel import apply_expert_parallel
 from threefold.distributed.grid import Grid
 from threefold.distributed.tensor_parallel import apply_tensor_parallel
 from threefold.model.init import init_weights
@@ -29,6 +31,7 @@ def build_model(cfg, grid: Grid, device: torch.device, layer_ids: list[int] | No
     with torch.device("meta"):
         model = Transformer(cfg.model, layer_ids, first, last)
         apply_tensor_parallel(model, grid, cfg.parallel.sp)
+        apply_expert_parallel(model, grid, cfg.model)
     apply_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
     model.to_empty(device=device)
     tied = cfg.model.tie_embeddings

@@ -123,6 +123,9 @@ def export_hf(ckpt: str, out: str, max_shard_mb: float = 5000.0) -> Path:
     st = _safetensors()
     directory, manifest = open_checkpoint(ckpt)
     m = manifest.config["model"]
+    if m.get("num_experts"):
+        raise HfFormatError(f"{directory}: a mixture-of-experts model has no Hugging Face layout here "
+                            "(export-hf writes dense Llama, Qwen2 and GPT-2 models)")
     tensors = to_hf(consolidated(directory, manifest), m)
     dst = Path(out)
     _empty_out(dst)

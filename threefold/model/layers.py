@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from threefold.model.moe import MoE, is_moe_layer
+
 
 class Linear(nn.Linear):
     """nn.Linear whose backward a zero-bubble pipeline can split: with `weight_grad_store` set,
@@ -115,12 +117,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer: int = 0):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        if is_moe_layer(cfg, layer):
+            self.mlp = MoE(cfg, shared=MLP(cfg) if cfg.shared_expert else None)
+        else:
+            self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,34 @@ repeats its forward collectives in backward (accounted for in docs/tensor_parall
 """
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
+
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 MODES = ("none", "selective", "full")
+
+# True while checkpointing reruns a forward in backward: layers that count what they see (MoE
+# routing statistics) must not count it twice. A context variable, so it is scoped to the rerun.
+_RECOMPUTING: ContextVar[bool] = ContextVar("threefold_recomputing", default=False)
+
+
+def is_recomputing() -> bool:
+    return _RECOMPUTING.get()
+
+
+@contextlib.contextmanager
+def _rerun():
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
+
+
+def _contexts():
+    return contextlib.nullcontext(), _rerun()
 
 
 def recompute_module(module: nn.Module) -> nn.Module:
@@ -27,7 +51,7 @@ def recompute_module(module: nn.Module) -> nn.Module:
     inner = module.forward
 
     def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_contexts, **kwargs)
 
     module.forward = forward
     module.recomputed = True

@@ -30,7 +30,7 @@ class Transformer(nn.Module):
         self.first, self.last = first, last
         self.tok_embed = nn.Embedding(cfg.vocab, cfg.hidden) if first else None
         self.pos_embed = nn.Embedding(cfg.seq_len, cfg.hidden) if first and cfg.arch == "gpt2" else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in layer_ids})
         self.norm = make_norm(cfg) if last else None
         self.head = Linear(cfg.hidden, cfg.vocab, bias=False) if last else None
         if first and last and cfg.tie_embeddings:

@@ -4,7 +4,12 @@ A multiply-add is 2 FLOPs. Only matmuls are counted: norms, activations, softmax
 adds, the loss and the optimizer step are a few per element and vanish next to the matmuls
 at any size worth measuring (Kaplan et al. 2020, sec. 2.1; Narayanan et al. 2021, app.).
 The config is duck-typed: `arch` ("llama" | "gpt2"), `hidden`, `layers`, `heads`,
-`kv_heads`, `ffn_hidden`, `vocab`, `seq_len`, `tie_embeddings`. See docs/flops.md.
+`kv_heads`, `ffn_hidden`, `vocab`, `seq_len`, `tie_embeddings`, and for mixture-of-experts
+models `num_experts`, `top_k`, `moe_every`, `shared_expert`. See docs/flops.md.
+
+MoE: a token multiplies through the router (hidden x experts), its top_k experts and the
+shared expert, so FLOPs (and MFU) count active parameters only; total_params counts every
+expert. Experts have no biases (the shared expert is a plain MLP, biases included for gpt2).
 """
 from __future__ import annotations
 
@@ -24,14 +29,36 @@ def _mlp_matrices(cfg) -> int:
     raise ValueError(f"unknown arch {cfg.arch!r} (valid: 'llama', 'gpt2')")
 
 
-def matmul_weights_per_layer(cfg) -> int:
-    """Weight elements one token multiplies through in one layer (attention + MLP)."""
+def moe_layers(cfg) -> int:
+    """How many blocks are MoE: every moe_every-th (0 without experts)."""
+    if not getattr(cfg, "num_experts", 0):
+        return 0
+    return cfg.layers // getattr(cfg, "moe_every", 1)
+
+
+def _attention_weights(cfg) -> int:
     h, hd = cfg.hidden, _head_dim(cfg)
     q = h * cfg.heads * hd
     kv = 2 * h * cfg.kv_heads * hd  # GQA: k and v are narrower than q
     o = cfg.heads * hd * h
-    mlp = _mlp_matrices(cfg) * h * cfg.ffn_hidden
-    return q + kv + o + mlp
+    return q + kv + o
+
+
+def _moe_mlp_weights(cfg, experts: int) -> int:
+    """Router + `experts` expert MLPs + the shared expert."""
+    mlp = _mlp_matrices(cfg) * cfg.hidden * cfg.ffn_hidden
+    return cfg.hidden * cfg.num_experts + experts * mlp + (mlp if getattr(cfg, "shared_expert", False) else 0)
+
+
+def matmul_weights_per_layer(cfg) -> float:
+    """Weight elements one token multiplies through in one layer (attention + MLP), the mean
+    over layers when some are MoE (times `layers` it is exact)."""
+    mlp = _mlp_matrices(cfg) * cfg.hidden * cfg.ffn_hidden
+    n_moe = moe_layers(cfg)
+    if not n_moe:
+        return _attention_weights(cfg) + mlp
+    moe = _moe_mlp_weights(cfg, cfg.top_k)
+    return _attention_weights(cfg) + ((cfg.layers - n_moe) * mlp + n_moe * moe) / cfg.layers
 
 
 def _s_eff(seq_len: int, causal: bool) -> float:
@@ -115,7 +142,7 @@ def megatron_flops_per_iteration(batch: int, seq_len: int, layers: int, hidden: 
     return 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
 
 
-def total_params(cfg) -> int:
+def total_params(cfg, experts: int | None = None) -> int:
     """Every parameter of the model, the token embedding included; a tied head once.
 
     llama: no biases, RMSNorm weight before attention, before the MLP and at the end.
@@ -123,7 +150,7 @@ def total_params(cfg) -> int:
            places), learned positions of seq_len x hidden.
     """
     h, hd, v = cfg.hidden, _head_dim(cfg), cfg.vocab
-    per_layer = matmul_weights_per_layer(cfg)
+    per_layer = _attention_weights(cfg) + _mlp_matrices(cfg) * h * cfg.ffn_hidden
     embed = v * h
     head = 0 if cfg.tie_embeddings else h * v
     if cfg.arch == "llama":
@@ -133,11 +160,16 @@ def total_params(cfg) -> int:
         per_layer += cfg.ffn_hidden + h  # MLP in and out biases
         norms_per_layer, final_norm, positions = 2 * 2 * h, 2 * h, cfg.seq_len * h
     per_layer += norms_per_layer
-    return cfg.layers * per_layer + embed + head + final_norm + positions
+    n_moe = moe_layers(cfg)
+    # An MoE block's MLP is the router, the experts (no biases) and the shared expert.
+    dense_mlp = _mlp_matrices(cfg) * h * cfg.ffn_hidden + (cfg.ffn_hidden + h if cfg.arch == "gpt2" else 0)
+    shared = dense_mlp if getattr(cfg, "shared_expert", False) else 0
+    moe_mlp = (h * cfg.num_experts + (cfg.num_experts if experts is None else experts)
+               * _mlp_matrices(cfg) * h * cfg.ffn_hidden + shared) if n_moe else 0
+    return cfg.layers * per_layer + n_moe * (moe_mlp - dense_mlp) + embed + head + final_norm + positions
 
 
 def active_params(cfg) -> int:
-    """Parameters one token uses. For dense models every parameter is active, so this
-    equals total_params; it is a separate name so that mixture-of-experts configs can
-    count only their routed top-k experts here without changing callers."""
-    return total_params(cfg)
+    """Parameters one token uses: every parameter of a dense model; of an MoE model only the
+    router, the top_k routed experts and the shared expert of each MoE block."""
+    return total_params(cfg, experts=cfg.top_k if moe_layers(cfg) else None)

@@ -12,13 +12,15 @@ from threefold.planner.cluster import PROFILES, Cluster, build_cluster
 from threefold.planner.cost import CATEGORIES, Prediction, bubble_ratio, predict, step_terms
 from threefold.planner.faults import Faults, advise, daly_interval, goodput, young_interval
 from threefold.planner.layout import Layout, parse_layout, structural_reason
-from threefold.planner.memory import device_memory, inflight, layer_activation_bytes, model_state_bytes
+from threefold.planner.memory import (device_memory, expert_dp, inflight, layer_activation_bytes, model_state_bytes,
+                                      moe_layer_activation_bytes)
 from threefold.planner.model import ModelShape, model_shape, split_layers
 from threefold.planner.search import Plan, search
 
 __all__ = [
     "CATEGORIES", "PROFILES", "Calibration", "Cluster", "Faults", "Layout", "ModelShape", "Plan", "Prediction",
-    "advise", "bubble_ratio", "build_cluster", "daly_interval", "device_memory", "fit", "goodput", "inflight",
-    "layer_activation_bytes", "load_run", "model_shape", "model_state_bytes", "parse_layout", "predict", "search",
+    "advise", "bubble_ratio", "build_cluster", "daly_interval", "device_memory", "expert_dp", "fit", "goodput",
+    "inflight", "layer_activation_bytes", "load_run", "model_shape", "model_state_bytes", "moe_layer_activation_bytes",
+    "parse_layout", "predict", "search",
     "split_layers", "step_terms", "structural_reason", "young_interval",
 ]

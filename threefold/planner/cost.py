@@ -19,19 +19,27 @@ The categories of one optimizer step on the slowest pipeline rank:
                the sequence-sharded inputs; full recompute repeats the forward's; the vocab-
                parallel embedding (forward) and head (backward) add one each: without SP 4l + 2
                collectives, what the training loop's tp_comm_bytes counts. Ring volumes,
-               (1 - tp_overlap) of them exposed.
+               (1 - tp_overlap) of them exposed. An MoE block keeps attention's half; its routed
+               experts split the tokens over tp instead: without SP an all-gather of the output
+               forward and of the input gradient backward (SP: none), plus a latency-only
+               gather of the routing counts; a shared expert is a TP MLP (the dense half again).
+    ep_comm    per MoE block and micro-batch, 4 all-to-alls (dispatch and combine, forward and
+               backward; full recompute repeats the forward's 2) of (b s / t) top_k h, each rank
+               sending (ep-1)/ep of it, plus a latency-only exchange of counts per forward
     pp_comm    2 (v m + p - 1) point-to-point transfers of sbh (sbh/t under SP) on the critical path
-    bubble     (compute + recompute + tp_comm + layer overhead) * B/(1-B), B = bubble_theory(...):
+    bubble     (compute + recompute + tp_comm + ep_comm + layer overhead) * B/(1-B), B = bubble_theory(...):
                the ideal-time form (p-1)/m (gpipe, 1f1b), (p-1)/(v m) (interleaved), (p-1)/(3m) (zb)
     dp_comm    ZeRO 0 all-reduce 2(N-1)/N P; 1 and 2 reduce-scatter + all-gather, the same volume;
                3 reduce-scatter + an all-gather per micro-batch forward and backward; (1 - dp_overlap)
-               of it exposed
+               of it exposed. MoE: dense parameters over dp, the experts (E_params / ep per
+               device) over expert_dp = tp * dp / ep, the same formulas
     optimizer  AdamW reads and writes its state once: P_opt (2 K_opt + K_param + K_grad) bytes / mem_bw
     overhead   layer_overhead per layer pass + step_overhead
 
 Links: TP over the intra-node link while tp fits in a node; DP inside a node while tp*dp does;
-PP over the inter-node link as soon as there is more than one node. Latency: a ring step per
-peer inside a node; across nodes NCCL's trees pay ~2 log2(N) steps instead of 2(N-1).
+EP while tp*ep does (order tp-cp-ep-dp-pp: an ep group spans tp*ep neighbouring ranks); PP over
+the inter-node link as soon as there is more than one node. Latency: a ring step per peer
+inside a node; across nodes NCCL's trees pay ~2 log2(N) steps instead of 2(N-1).
 """
 from __future__ import annotations
 
@@ -43,7 +51,7 @@ from threefold.planner.layout import Layout
 from threefold.planner.memory import ACT_BYTES, Memory, device_memory
 from threefold.planner.model import ModelShape
 
-CATEGORIES = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "overhead")
+CATEGORIES = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "overhead")
 PARAMS = ("compute_efficiency", "intra_bw_gbps", "inter_bw_gbps", "intra_latency_us", "inter_latency_us",
           "mem_bw_gbps", "layer_overhead_us", "step_overhead_s")
 
@@ -148,27 +156,50 @@ def step_terms(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch
 
     tokens = b * s
     tp_link = "intra" if (t <= dpn and dpn % t == 0) or cluster.nodes == 1 else "inter"
+    ep_link = ep_group_link(cluster, t, layout.ep)
+    full = int(layout.recompute == "full")
+    shared = bool(getattr(shape.cfg, "shared_expert", False))
 
     def micro_batch(layers: int, has_head: bool) -> dict[str, Terms]:
         """One micro-batch on a pipeline rank holding `layers` (all its v chunks)."""
         base = (layers * shape.layer_hw_flops["none"] + (shape.head_flops if has_head else 0.0)) * tokens / t
         extra = layers * (shape.layer_hw_flops[layout.recompute] - shape.layer_hw_flops["none"]) * tokens / t
         mb = {"compute": {"compute_efficiency": base / peak}, "recompute": {"compute_efficiency": extra / peak},
-              "tp_comm": {}, "overhead": {}}
+              "tp_comm": {}, "ep_comm": {}, "overhead": {}}
+        moe = layers * shape.moe_fraction  # MoE blocks among them (the model's share)
         if t > 1:
             x = tokens * h * act
             ring = (t - 1) / t
-            if layout.sp:  # all-gathers and reduce-scatters, (t-1)/t x each
-                per_layer = 10 + (4 if layout.recompute == "full" else 0)
-                coll_bytes, coll_steps = ring * x, (t - 1)
-            else:  # all-reduces, 2 (t-1)/t x each
-                per_layer = 4 + (2 if layout.recompute == "full" else 0)
-                coll_bytes, coll_steps = 2 * ring * x, 2 * (t - 1)
-            n_coll = per_layer * layers + 2
             exposed = 1.0 - cluster.tp_overlap
-            _collective(mb["tp_comm"], tp_link, exposed * n_coll * coll_bytes,
-                        exposed * n_coll * _latency_steps(t, tp_link, coll_steps))
-        _add(mb["overhead"], "layer_overhead_us", layers * (4 / 3 if layout.recompute == "full" else 1.0))
+            # Collectives per block as (all-reduces, all-gathers or reduce-scatters, latency-only).
+            if layout.sp:  # 4 AG + 4 RS, 2 AG repeated in backward; full recompute repeats 2 + 2
+                dense_block = (0, 10 + 4 * full, 0)
+                attention = (0, 5 + 2 * full, 0)
+                routed = (0, 0, 1 + full)  # tokens arrive split; only the routing counts are gathered
+            else:  # 2 all-reduces forward, 2 backward; full recompute repeats the forward's
+                dense_block = (4 + 2 * full, 0, 0)
+                attention = (2 + full, 0, 0)
+                # each rank routes its slice of the sequence: the output is all-gathered forward, the
+                # input gradient backward; plus the routing counts
+                routed = (0, 2 + full, 1 + full)
+            moe_block = tuple(a + r + (d - a if shared else 0) for a, r, d in zip(attention, routed, dense_block))
+            n_ar, n_ag, n_lat = (((layers - moe) * d + moe * e) for d, e in zip(dense_block, moe_block))
+            if layout.sp:
+                n_ag += 2  # the vocab-parallel embedding (forward) and head (backward)
+            else:
+                n_ar += 2
+            nbytes = n_ar * 2 * ring * x + n_ag * ring * x
+            steps = (n_ar * _latency_steps(t, tp_link, 2 * (t - 1))
+                     + (n_ag + n_lat) * _latency_steps(t, tp_link, t - 1))
+            _collective(mb["tp_comm"], tp_link, exposed * nbytes, exposed * steps)
+        if layout.ep > 1 and moe:
+            a2a = ep_all_to_all(shape, cluster, layout, act)
+            # dispatch + combine forward and the same two backward; full recompute repeats the
+            # forward's; one exchange of counts per forward
+            n = 4 + 2 * full
+            _collective(mb["ep_comm"], ep_link, moe * n * a2a["bytes"],
+                        moe * (n + 1 + full) * a2a["steps"])
+        _add(mb["overhead"], "layer_overhead_us", layers * (4 / 3 if full else 1.0))
         return mb
 
     # The slowest pipeline rank sets the pace; the last one also runs the head. Ranks other
@@ -195,35 +226,65 @@ def step_terms(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch
         x = tokens * h * act / (t if layout.sp else 1)
         _collective(cats["pp_comm"], pp_link, n * x, n)
 
-    # Data parallel: the rank holding the most parameters.
-    first_numel = (split.first_layers * shape.layer_params + shape.embed_params) / t
-    last_numel = (split.last_layers * shape.layer_params + shape.head_params) / t
+    # Data parallel: the rank holding the most parameters. Dense gradients over dp, experts'
+    # over expert_dp (tp * dp / ep ranks), which spans the same consecutive ranks as dp.
     if p == 1:
-        first_numel = last_numel = (shape.layers * shape.layer_params + shape.embed_params
-                                    + (0 if shape.tied else shape.head_params)) / t
-    numel = max(first_numel, last_numel)
+        held = [shape.state_numel(shape.layers, shape.embed_params + (0 if shape.tied else shape.head_params),
+                                  t, layout.ep)]
+    else:
+        held = [shape.state_numel(split.first_layers, shape.embed_params, t, layout.ep),
+                shape.state_numel(split.last_layers, shape.head_params, t, layout.ep)]
+    dense, expert = max(held, key=sum)
+    edp = t * d // layout.ep
     cats["dp_comm"] = {}
     dp_link = "intra" if t * d <= dpn or cluster.nodes == 1 else "inter"
-    if d > 1:
-        ring = (d - 1) / d
-        if layout.zero == 0:
-            nbytes, steps = 2 * ring * numel * kg, _latency_steps(d, dp_link, 2 * (d - 1))
-        elif layout.zero in (1, 2):
-            nbytes, steps = ring * numel * (kg + kp), 2 * _latency_steps(d, dp_link, d - 1)
-        else:
-            nbytes = ring * numel * (kg + 2 * m * kp)
-            steps = (1 + 2 * m) * _latency_steps(d, dp_link, d - 1)
-        exposed = 1.0 - cluster.dp_overlap
-        _collective(cats["dp_comm"], dp_link, exposed * nbytes, exposed * steps)
+    exposed = 1.0 - cluster.dp_overlap
+    for numel, n in ((dense, d), (expert, edp)):
+        if n > 1 and numel:
+            nbytes, steps = _gradient_sync(numel, n, layout.zero, m, dp_link, kp, kg)
+            _collective(cats["dp_comm"], dp_link, exposed * nbytes, exposed * steps)
 
-    opt_numel = numel / d if layout.zero >= 1 else numel
+    opt_numel = (dense / d + expert / edp) if layout.zero >= 1 else dense + expert
     cats["optimizer"] = {"mem_bw_gbps": opt_numel * (2 * ko + kp + kg)}
     cats["overhead"] = merge_terms(cats["overhead"], {"step_overhead_s": 1.0})
     # The idlest rank waits for the bubble, the transfers and for the slowest rank's extra work.
     imbalance = merge_terms(_scaled(merge_terms(*mb.values()), m), _scaled(merge_terms(*light.values()), -m))
     extra = {"pp_idle": merge_terms(cats["bubble"], cats["pp_comm"], imbalance) if p > 1 else {}}
     hw_flops = sum(mb[k]["compute_efficiency"] for k in ("compute", "recompute") if mb[k]) * peak * m
-    return StepTerms(cats, rank, hw_flops, {"tp": tp_link, "pp": pp_link, "dp": dp_link}, extra)
+    links = {"tp": tp_link, "pp": pp_link, "dp": dp_link, "ep": ep_link}
+    return StepTerms(cats, rank, hw_flops, links, extra)
+
+
+def _gradient_sync(numel: float, n: int, zero: int, m: int, link: str, kp: int, kg: int) -> tuple[float, float]:
+    """(bytes, latency steps) one rank pays to synchronise `numel` parameters over `n` replicas."""
+    ring = (n - 1) / n
+    if zero == 0:
+        return 2 * ring * numel * kg, _latency_steps(n, link, 2 * (n - 1))
+    if zero in (1, 2):
+        return ring * numel * (kg + kp), 2 * _latency_steps(n, link, n - 1)
+    return ring * numel * (kg + 2 * m * kp), (1 + 2 * m) * _latency_steps(n, link, n - 1)
+
+
+def ep_group_link(cluster: Cluster, t: int, ep: int) -> str:
+    """The ep ranks are consecutive data-parallel ranks after tp (order tp-cp-ep-dp-pp): the
+    group spans tp * ep neighbouring ranks, inside a node while that fits one."""
+    return "intra" if t * ep <= cluster.devices_per_node or cluster.nodes == 1 else "inter"
+
+
+def ep_all_to_all(shape: ModelShape, cluster: Cluster, layout: Layout, act: int) -> dict[str, float]:
+    """One all-to-all of an MoE layer's dispatch (or combine) for one micro-batch, per rank.
+
+    A rank routes tokens / tp tokens (the TP ranks split them), each to top_k experts: V =
+    (b s / tp) top_k h bytes. With balanced routing it keeps 1/ep of V and sends the rest.
+    Inside a node that is (ep-1)/ep of V over the intra link; across nodes the share bound for
+    other nodes' ranks, (ep - local)/ep with `local` group members per node, over the inter
+    link (the in-node part moves at the same time, over the faster link)."""
+    t, ep = layout.tp, layout.ep
+    volume = layout.mbs * shape.seq_len / t * shape.top_k * shape.hidden * act
+    link = ep_group_link(cluster, t, ep)
+    local = ep if link == "intra" else max(1, min(ep, cluster.devices_per_node // t))
+    return {"volume": volume, "bytes": volume * (ep - local if link == "inter" else ep - 1) / ep,
+            "steps": _latency_steps(ep, link, ep - 1), "link": link}
 
 
 @dataclass

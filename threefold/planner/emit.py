@@ -1,6 +1,7 @@
 """The chosen layout as a TOML config that `threefold train --config FILE` reads.
 
-Every [model] shape key and the layout keys of [parallel] and [train] are written; other keys
+Every [model] shape key (the expert keys too, for an MoE model) and the layout keys of
+[parallel] (ep included) and [train] are written; other keys
 only where they differ from the defaults (so a --config given to plan carries through). The
 recommended checkpoint interval is written when the config has a checkpoint.dir, else noted
 in the header.
@@ -21,6 +22,8 @@ _ALWAYS = {
                  "allow_tp_across_nodes"),
     "train": ("global_batch", "micro_batch", "recompute", "dtype", "device"),
 }
+# The mixture-of-experts shape, written whenever the model has experts.
+_MOE = ("num_experts", "top_k", "moe_every", "shared_expert", "capacity_factor")
 
 
 def toml_value(value) -> str:
@@ -57,7 +60,8 @@ def config_toml(cfg: Config, header: str = "") -> str:
         body = []
         for f in dataclasses.fields(current):
             value = getattr(current, f.name)
-            if f.name in _ALWAYS.get(name, ()) or value != getattr(default, f.name):
+            moe = name == "model" and cfg.model.num_experts and f.name in _MOE
+            if f.name in _ALWAYS.get(name, ()) or moe or value != getattr(default, f.name):
                 body.append(f"{f.name} = {toml_value(value)}")
         if body:
             lines += ["", f"[{name}]", *body]

@@ -113,6 +113,9 @@ def tp_reason(model, tp: int, devices_per_node: int, allow_across: bool) -> tupl
         return "tp-shape", f"tp={tp} cannot split the MLP width {model.ffn_hidden} evenly."
     if model.vocab % tp:
         return "tp-shape", f"tp={tp} cannot split the vocabulary of {model.vocab} evenly (pad model.vocab)."
+    if getattr(model, "num_experts", 0) and model.seq_len % tp:
+        return "tp-shape", (f"tp={tp} cannot split the sequence of {model.seq_len} tokens evenly, which the MoE "
+                            "layers need: their tensor-parallel ranks route a slice of the tokens each.")
     if tp > devices_per_node and not allow_across:
         return "tp-across-nodes", (f"tp={tp} would stretch a tensor-parallel group across nodes of {devices_per_node} "
                                    "devices, over the slow inter-node link (--cluster.allow_tp_across_nodes true "
@@ -164,10 +167,26 @@ def feature_reason(model, layout: Layout) -> tuple[str, str] | None:
         return "sp", "sequence parallelism needs tensor parallelism (tp > 1)."
     if layout.sp and model.seq_len % layout.tp:
         return "sp", f"sequence parallelism needs seq_len {model.seq_len} to split evenly over tp={layout.tp}."
-    if layout.ep != 1:
-        return "ep", f"ep={layout.ep}: the model has no experts to place, so expert parallelism must be 1."
+    why = ep_reason(model, layout.ep, layout.dp)
+    if why:
+        return why
     if layout.zero and layout.dp == 1:
         return "zero", f"ZeRO stage {layout.zero} shards over data-parallel ranks, and dp=1 has none to shard over."
+    return None
+
+
+def ep_reason(model, ep: int, dp: int) -> tuple[str, str] | None:
+    experts = getattr(model, "num_experts", 0)
+    if ep == 1:
+        return None
+    if not experts:
+        return "ep", f"ep={ep}: the model has no experts to place, so expert parallelism must be 1."
+    if experts % ep:
+        return "ep", (f"ep={ep} cannot split the model's {experts} experts evenly: each expert-parallel rank "
+                      "holds an equal share.")
+    if dp % ep:
+        return "ep", (f"ep={ep} does not divide dp={dp}: expert-parallel ranks are carved out of the "
+                      "data-parallel ones.")
     return None
 
 

@@ -4,12 +4,18 @@ Model state (parameters, gradients, optimizer) uses the ZeRO paper's formulas as
 in `distributed/data_parallel/memory.py` (`predict_memory`): mixed precision 2P + 2P + 12P,
 ZeRO-1 2P + 2P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N; fp32 training 4P + 4P + 8P with the
 same sharding. P is what one device holds before data-parallel sharding: its pipeline stage's
-layers and embedding/head, divided by tp.
+layers and embedding/head, divided by tp. Mixture of experts: the routed experts are a second
+state, E_params / ep per device (whole on each TP rank), sharded by ZeRO over expert_dp, the
+tp * dp / ep ranks holding the same experts; the dense part keeps N = dp.
 
 Activations per layer and micro-batch are Korthikanti et al. 2022, Table 2
 (`observe/activations.py`, `korthikanti_layer_bytes`): sbh(34 + 5as/h) without parallelism;
 TP sbh(10 + 24/t + 5as/(ht)); TP+SP sbh/t (34 + 5as/h); selective recompute sbh(10 + 24/t),
 with SP 34sbh/t; full recompute 2sbh. They assume 16-bit activations; fp32 doubles them.
+An MoE block swaps the paper's MLP share (19sbh; TP 3sbh + 16sbh/t; SP 19sbh/t) for its routed
+path, on the sb/t tokens each TP rank routes: the router's fp32 input (4h) and, per each of
+the top_k assignments, the expert's input row (2h), its intermediates (GeLU 2 x 2f, SwiGLU
+4 x 2f) and its output kept for the combine weight (2h); a shared expert keeps the MLP share.
 A rank keeps that for each micro-batch in flight (forward done, backward not yet):
 
     gpipe: m on every rank         1f1b, zb: min(p, m) on rank 0, 1 on the last rank
@@ -60,6 +66,41 @@ def layer_activation_bytes(s: int, b: int, h: int, heads: int, t: int = 1, sp: b
     return _korthikanti(s, b, h, heads, t, sp, recompute) * ACT_BYTES[dtype] / 2
 
 
+def _mlp_share_bytes(s: int, b: int, h: int, t: int, sp: bool, recompute: str) -> float:
+    """The MLP's part of Korthikanti's layer (16-bit): input 2sbh, GeLU in and out 16sbh, mask sbh."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 0.0
+    if sp:
+        return 19 * sbh / t
+    return (3 + 16 / t) * sbh if t > 1 else 19 * sbh
+
+
+def moe_layer_activation_bytes(s: int, b: int, h: int, heads: int, ffn: int, top_k: int, gated: bool,
+                               shared: bool, t: int = 1, sp: bool = False, recompute: str = "none",
+                               dtype: str = "bf16") -> float:
+    """Bytes an MoE block keeps for backward per micro-batch (module docstring), balanced routing."""
+    dense = _korthikanti(s, b, h, heads, t, sp, recompute)
+    if recompute == "full":
+        return dense * ACT_BYTES[dtype] / 2  # only the block's input, as for a dense block
+    routed = s * b / t * (4 * h + top_k * (2 * h + (8 if gated else 4) * ffn + 2 * h))
+    mlp = _mlp_share_bytes(s, b, h, t, sp, recompute)
+    return (dense - mlp + routed + (mlp if shared else 0.0)) * ACT_BYTES[dtype] / 2
+
+
+def mean_layer_activation_bytes(shape: ModelShape, b: int, t: int, sp: bool, recompute: str,
+                                dtype: str = "bf16") -> float:
+    """Per layer and micro-batch, the mean over dense and MoE blocks."""
+    s, h, a = shape.seq_len, shape.hidden, shape.heads
+    dense = layer_activation_bytes(s, b, h, a, t, sp, recompute, dtype)
+    if not shape.is_moe:
+        return dense
+    cfg = shape.cfg
+    moe = moe_layer_activation_bytes(s, b, h, a, cfg.ffn_hidden, shape.top_k, cfg.arch == "llama",
+                                     bool(getattr(cfg, "shared_expert", False)), t, sp, recompute, dtype)
+    return (1 - shape.moe_fraction) * dense + shape.moe_fraction * moe
+
+
 def inflight(schedule: str, p: int, m: int, v: int = 1) -> tuple[float, float]:
     """(rank 0, last rank) activations held at the peak, in whole micro-batches of the rank's layers."""
     if p == 1:
@@ -84,6 +125,8 @@ class Memory:
     """Micro-batches of the rank's layers held at the peak."""
     rank: str
     """"first" or "last": which pipeline rank is the worse."""
+    expert_state: float = 0.0
+    """Of params + grads + optimizer, the routed experts' part (MoE)."""
 
     @property
     def total(self) -> float:
@@ -92,7 +135,13 @@ class Memory:
     def as_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "buffers": self.buffers, "total": self.total,
-                "inflight_microbatches": self.inflight, "worst_pipeline_rank": self.rank}
+                "inflight_microbatches": self.inflight, "worst_pipeline_rank": self.rank,
+                "expert_state": self.expert_state}
+
+
+def expert_dp(layout: Layout) -> int:
+    """Ranks holding the same experts: the TP ranks (which split tokens) times dp / ep."""
+    return layout.tp * layout.dp // layout.ep
 
 
 def device_memory(shape: ModelShape, layout: Layout, global_batch: int, dtype: str = "bf16") -> Memory:
@@ -100,7 +149,7 @@ def device_memory(shape: ModelShape, layout: Layout, global_batch: int, dtype: s
     m = layout.microbatches(global_batch)
     h, V = shape.hidden, shape.vocab
     split = shape.stage_split(p, v)
-    per_layer = layer_activation_bytes(s, b, h, shape.heads, t, layout.sp, layout.recompute, dtype)
+    per_layer = mean_layer_activation_bytes(shape, b, t, layout.sp, layout.recompute, dtype)
     first_inflight, last_inflight = inflight(layout.schedule, p, m, v)
     head_inflight = float(m) if (layout.schedule == "gpipe" and p > 1) else 1.0
     region = t if layout.sp else 1
@@ -108,9 +157,11 @@ def device_memory(shape: ModelShape, layout: Layout, global_batch: int, dtype: s
     kp = ACT_BYTES[dtype]
     buffers = 0.0
     if layout.recompute == "full":
-        buffers += layer_activation_bytes(s, b, h, shape.heads, t, layout.sp, "none", dtype)
-    if layout.zero == 3 and layout.dp > 1:
-        buffers += 2 * shape.layer_params / t * kp
+        buffers += mean_layer_activation_bytes(shape, b, t, layout.sp, "none", dtype)
+    edp = expert_dp(layout)
+    if layout.zero == 3 and (layout.dp > 1 or edp > 1):  # the gathered layer and its prefetch
+        dense, expert = shape.state_numel(1, 0.0, t, layout.ep)
+        buffers += 2 * ((dense if layout.dp > 1 else 0.0) + (expert if edp > 1 else 0.0)) * kp
 
     if p == 1:
         outside = shape.embed_params + (0 if shape.tied else shape.head_params)
@@ -120,10 +171,11 @@ def device_memory(shape: ModelShape, layout: Layout, global_batch: int, dtype: s
                  ("last", split.last_layers, shape.head_params, last_inflight, head_acts * head_inflight)]
     worst = None
     for name, layers, outside, held, extra in ranks:
-        numel = (layers * shape.layer_params + outside) / t
-        state = model_state_bytes(numel, layout.dp, layout.zero, dtype)
+        dense, expert = shape.state_numel(layers, outside, t, layout.ep)
+        state = model_state_bytes(dense, layout.dp, layout.zero, dtype)
+        experts = model_state_bytes(expert, edp, layout.zero, dtype)
         acts = layers * per_layer * held + extra
-        mem = Memory(state["params"], state["grads"], state["optimizer"], acts, buffers, held, name)
+        mem = Memory(*(state[k] + experts[k] for k in STATE), acts, buffers, held, name, sum(experts.values()))
         if worst is None or mem.total > worst.total:
             worst = mem
     return worst

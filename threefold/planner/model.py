@@ -4,6 +4,11 @@ Parameter counts and FLOPs come from `threefold.observe.flops` (the functions th
 metrics use), split into one transformer layer and the embedding/head part by evaluating them
 at `layers=0`. Stages are cut the way `distributed/pipeline/partition.py` cuts them: layers
 balanced by cost, the vocabulary head counted on the last stage.
+
+Mixture of experts: a layer's parameters split into a dense part (attention, norms, dense MLPs,
+router, shared expert), tensor-parallel and replicated over dp, and the routed experts, which
+are not tensor-sharded (the TP ranks split tokens instead) but spread over the ep ranks and
+replicated over expert_dp (docs/moe.md). FLOPs already count active parameters only.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from threefold.observe.flops import hardware_flops_per_token, total_params, train_flops_per_token
+from threefold.observe.flops import hardware_flops_per_token, moe_layers, total_params, train_flops_per_token
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -69,6 +74,26 @@ class ModelShape:
     """Training FLOPs per token of the vocabulary head (never recomputed)."""
     model_flops_per_token: float
     """train_flops_per_token: MFU's numerator per token."""
+    expert_layer_params: float = 0.0
+    """Routed experts' parameters of one layer (all experts), the mean over layers; part of layer_params."""
+    moe_fraction: float = 0.0
+    """Share of the layers that are MoE blocks (1/moe_every, 0 for a dense model)."""
+    num_experts: int = 0
+    top_k: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def dense_layer_params(self) -> float:
+        """Parameters of one layer that tensor parallelism shards and dp replicates (the mean)."""
+        return self.layer_params - self.expert_layer_params
+
+    def state_numel(self, layers: float, outside: float, t: int, ep: int) -> tuple[float, float]:
+        """(dense, expert) parameters one device holds for `layers` layers plus `outside`
+        (embedding or head): dense over tp, experts whole on each TP rank and split over ep."""
+        return (layers * self.dense_layer_params + outside) / t, layers * self.expert_layer_params / ep
 
     @property
     def hidden(self) -> int:
@@ -115,9 +140,13 @@ def model_shape(cfg, causal: bool = True) -> ModelShape:
     head_flops = hardware_flops_per_token(empty, s, causal)
     layer_hw = {r: (hardware_flops_per_token(cfg, s, causal, r) - head_flops) / n_layers for r in RECOMPUTE}
     layer_fwd = (train_flops_per_token(cfg, s, True) - train_flops_per_token(empty, s, True)) / 3 / n_layers
+    n_moe = moe_layers(cfg)
+    experts = (total - total_params(cfg, experts=0)) / n_layers if n_moe else 0.0
     return ModelShape(cfg=cfg, seq_len=s, layer_params=layer_params, embed_params=embed, head_params=head,
                       total_params=total, tied=tied, layer_fwd_flops=layer_fwd, layer_hw_flops=layer_hw,
-                      head_flops=head_flops, model_flops_per_token=train_flops_per_token(cfg, s, causal))
+                      head_flops=head_flops, model_flops_per_token=train_flops_per_token(cfg, s, causal),
+                      expert_layer_params=experts, moe_fraction=n_moe / n_layers,
+                      num_experts=cfg.num_experts if n_moe else 0, top_k=cfg.top_k if n_moe else 0)
 
 
 def _replace(cfg, **changes):

@@ -1,13 +1,15 @@
 """What `threefold plan` prints: the ranked table, the rejections, the calibration table, and JSON."""
 from __future__ import annotations
 
+from threefold.observe.flops import active_params
 from threefold.planner.cluster import GiB, Cluster
 from threefold.planner.cost import Prediction
 from threefold.planner.faults import FaultAdvice
 from threefold.planner.model import ModelShape
 from threefold.planner.search import KIND_TITLES, Plan
 
-_SHORT = {"compute": "compute", "recompute": "recompute", "tp_comm": "TP comm", "pp_comm": "PP comm",
+_SHORT = {"compute": "compute", "recompute": "recompute", "tp_comm": "TP comm", "ep_comm": "EP all-to-all",
+          "pp_comm": "PP comm",
           "dp_comm": "DP comm", "bubble": "bubble", "optimizer": "optimizer", "overhead": "overhead"}
 
 
@@ -45,7 +47,12 @@ def _model_name(cfg) -> str:
 def header(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str) -> str:
     cfg = shape.cfg
     name = _model_name(cfg)
-    return (f"model {name}: {_num(shape.total_params)} parameters, {cfg.layers} layers, hidden {cfg.hidden}, "
+    experts = ""
+    if shape.is_moe:
+        every = getattr(cfg, "moe_every", 1)
+        experts = (f" ({_num(active_params(cfg))} active: {shape.num_experts} experts, top-{shape.top_k}, "
+                   + ("every block" if every == 1 else f"every {every} blocks") + ")")
+    return (f"model {name}: {_num(shape.total_params)} parameters{experts}, {cfg.layers} layers, hidden {cfg.hidden}, "
             f"{cfg.heads} heads, seq {shape.seq_len}; cluster {cluster.label()} "
             f"({cluster.peak_tflops:.4g} TFLOP/s {dtype}, {cluster.usable_bytes / GiB:.1f} GiB usable per device); "
             f"global batch {global_batch} ({_num(global_batch * shape.seq_len)} tokens)")
@@ -56,18 +63,24 @@ def split_text(pred: Prediction) -> str:
     return ", ".join(f"{_SHORT[k]} {v / pred.step_time_s:.0%}" for v, k in parts if v / pred.step_time_s >= 0.005)
 
 
-def table(preds: list[Prediction]) -> str:
-    cols = ("#", "tp", "pp", "dp", "vpp", "mbs", "sched", "zero", "sp", "recomp", "mem GiB", "step s", "tokens/s",
-            "TFLOP/s", "MFU", "comp%", "tp%", "pp%", "dp%", "bub%", "other%")
+def table(preds: list[Prediction], moe: bool = False) -> str:
+    """One row per layout; `moe` adds the ep degree and the all-to-all's share."""
+    cols = ["#", "tp", "pp", "dp", "vpp", "mbs", "sched", "zero", "sp", "recomp", "mem GiB", "step s", "tokens/s",
+            "TFLOP/s", "MFU", "comp%", "tp%", "pp%", "dp%", "bub%", "other%"]
+    if moe:
+        cols[4:4], cols[18:18] = ["ep"], ["ep%"]
     rows = []
     for i, p in enumerate(preds, 1):
         lay, f = p.layout, {k: v / p.step_time_s * 100 for k, v in p.times.items()}
-        rows.append((str(i), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.vpp), str(lay.mbs), lay.schedule,
-                     str(lay.zero), "y" if lay.sp else "n", lay.recompute, f"{p.memory.total / GiB:.1f}",
-                     f"{p.step_time_s:.4g}", _num(p.tokens_per_s), f"{p.model_tflops_per_device:.4g}",
-                     f"{p.mfu:.1%}", f"{f['compute'] + f['recompute']:.0f}", f"{f['tp_comm']:.0f}",
-                     f"{f['pp_comm']:.0f}", f"{f['dp_comm']:.0f}", f"{f['bubble']:.0f}",
-                     f"{f['optimizer'] + f['overhead']:.0f}"))
+        row = [str(i), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.vpp), str(lay.mbs), lay.schedule,
+               str(lay.zero), "y" if lay.sp else "n", lay.recompute, f"{p.memory.total / GiB:.1f}",
+               f"{p.step_time_s:.4g}", _num(p.tokens_per_s), f"{p.model_tflops_per_device:.4g}",
+               f"{p.mfu:.1%}", f"{f['compute'] + f['recompute']:.0f}", f"{f['tp_comm']:.0f}",
+               f"{f['pp_comm']:.0f}", f"{f['dp_comm']:.0f}", f"{f['bubble']:.0f}",
+               f"{f['optimizer'] + f['overhead']:.0f}"]
+        if moe:
+            row[4:4], row[18:18] = [str(lay.ep)], [f"{f['ep_comm']:.0f}"]
+        rows.append(tuple(row))
     left = {"sched", "recomp"}
     return _columns(cols, rows, lambda i: cols[i] in left)
 
@@ -76,11 +89,13 @@ def describe_prediction(p: Prediction, cluster: Cluster) -> str:
     m = p.memory
     lines = [f"layout {p.layout.spec()}",
              f"  {_plural(p.microbatches, 'micro-batch')} per step per data-parallel rank; links: TP {p.links['tp']}, "
-             f"PP {p.links['pp']}, DP {p.links['dp']}-node",
+             f"PP {p.links['pp']}, DP {p.links['dp']}" + (f", EP {p.links['ep']}" if p.layout.ep > 1 else "")
+             + "-node",
              f"  memory per device {m.total / GiB:.2f} GiB of {p.usable_bytes / GiB:.1f} usable on the {m.rank} "
              f"pipeline rank: params {m.params / GiB:.2f} + grads {m.grads / GiB:.2f} + optimizer "
              f"{m.optimizer / GiB:.2f} + activations {m.activations / GiB:.2f} ({_plural(m.inflight, 'micro-batch')} "
-             f"in flight) + buffers {m.buffers / GiB:.2f}",
+             f"in flight) + buffers {m.buffers / GiB:.2f}"
+             + (f"; the experts' share of the model state {m.expert_state / GiB:.2f}" if m.expert_state else ""),
              f"  step {p.step_time_s:.4g} s, {_num(p.tokens_per_s)} tokens/s, {p.model_tflops_per_device:.4g} model "
              f"TFLOP/s per device, MFU {p.mfu:.1%} (HFU {p.hfu:.1%}), bubble {p.bubble_fraction:.1%} of the step",
              f"  time: {split_text(p)}"]
@@ -104,7 +119,7 @@ def plan_text(plan: Plan, top: int, advice: FaultAdvice | None) -> str:
     shown = plan.ranked[:top]
     out = [header(plan.shape, plan.cluster, plan.global_batch, plan.dtype),
            f"searched {plan.considered} layouts in {plan.search_s:.2f} s; the {len(shown)} fastest that fit:", "",
-           table(shown), "", "best " + describe_prediction(plan.best, plan.cluster)]
+           table(shown, plan.shape.is_moe), "", "best " + describe_prediction(plan.best, plan.cluster)]
     if advice:
         out.append("  faults: " + advice.sentence())
     out += ["", rejections(plan)]
@@ -127,6 +142,9 @@ def _model_dict(shape: ModelShape) -> dict:
             "tie_embeddings")
     out = {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
     out.update(params=shape.total_params, model_flops_per_token=shape.model_flops_per_token)
+    if shape.is_moe:
+        out.update({k: getattr(cfg, k) for k in ("num_experts", "top_k", "moe_every", "shared_expert")},
+                   active_params=active_params(cfg))
     return out
 
 

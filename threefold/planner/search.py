@@ -3,20 +3,22 @@
 The space is pruned where the answer is known without predicting: degrees are divisors (tp of
 the node size, or of the world when TP may cross nodes; pp of what tp leaves; dp is the rest),
 micro-batch sizes come from {1, 2, 4, 8, 16, 32}, vpp from the divisors 2..8 of the layers per
-stage, ZeRO only when dp > 1, SP only when tp > 1, ep = 1 (the model config has no experts).
+stage, ZeRO only when dp > 1, SP only when tp > 1, ep over the divisors of dp that divide the
+experts (mixture-of-experts models; ep = 1 for dense ones).
 A rule that fails for a degree rejects every layout under it at once, with one sentence.
 Memory is checked before time, so layouts that do not fit cost almost nothing.
 """
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from dataclasses import dataclass, field
 
 from threefold.planner.cluster import GiB, Cluster
 from threefold.planner.cost import Prediction, predict
-from threefold.planner.layout import (RECOMPUTE, SCHEDULES, Layout, batch_reason, feature_reason, pp_reason,
-                                      schedule_reason, tp_reason)
+from threefold.planner.layout import (RECOMPUTE, SCHEDULES, Layout, batch_reason, ep_reason, feature_reason,
+                                      pp_reason, schedule_reason, tp_reason)
 from threefold.planner.memory import Memory, device_memory
 from threefold.planner.model import ModelShape
 
@@ -32,7 +34,7 @@ KIND_TITLES = {
     "schedule": "schedule does not apply",
     "sp": "sequence parallelism does not apply",
     "zero": "ZeRO does not apply",
-    "ep": "no experts",
+    "ep": "expert parallelism does not apply",
     "devices": "more devices than the cluster has",
 }
 
@@ -44,6 +46,8 @@ def oom_sentence(memory: Memory, usable: float, cluster: Cluster) -> str:
             f"{'' if memory.inflight == 1 else 'es'} in flight"
     if memory.buffers:
         parts += f" + buffers {g(memory.buffers)}"
+    if memory.expert_state:
+        parts += f"; the experts' state is {g(memory.expert_state)} GiB of it"
     return (f"out of memory: needs {g(memory.total)} GiB per device ({parts}) but each {cluster.device} "
             f"has {g(usable)} GiB usable.")
 
@@ -103,7 +107,8 @@ def _allowed(pins: dict, key: str, values) -> list:
 
 
 def _complexity(layout: Layout) -> tuple:
-    return (layout.zero, layout.sp, RECOMPUTE.index(layout.recompute), layout.vpp, SCHEDULES.index(layout.schedule))
+    return (layout.zero, layout.sp, RECOMPUTE.index(layout.recompute), layout.vpp, SCHEDULES.index(layout.schedule),
+            layout.ep)
 
 
 def search(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str = "bf16",
@@ -122,7 +127,8 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str = 
         spec = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in partial.items())
         rejected.setdefault(kind, Rejected(kind)).add(spec, sentence, score)
 
-    if "ep" in pins and pins["ep"] != 1:
+    experts = getattr(cfg, "num_experts", 0)
+    if "ep" in pins and pins["ep"] != 1 and not experts:
         reject("ep", {"ep": pins["ep"]}, f"ep={pins['ep']}: the model has no experts to place, so expert "
                "parallelism must be 1.")
         pins["ep"] = 1
@@ -152,6 +158,15 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str = 
             if why:
                 reject(why[0], {"tp": tp, "pp": pp, "dp": dp}, why[1])
                 continue
+            ep_pool = []
+            for ep in _allowed(pins, "ep", [e for e in _divisors(dp) if experts and experts % e == 0] or [1]):
+                why = ep_reason(cfg, ep, dp)
+                if why:
+                    reject(why[0], {"tp": tp, "pp": pp, "dp": dp, "ep": ep}, why[1])
+                else:
+                    ep_pool.append(ep)
+            if not ep_pool:
+                continue
             per_rank = global_batch // dp
             mbs_pool = [b for b in MBS_CHOICES if per_rank % b == 0]
             for mbs in _allowed(pins, "mbs", mbs_pool):
@@ -168,9 +183,10 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str = 
                         continue
                     for zero in _allowed(pins, "zero", (0, 1, 2, 3) if dp > 1 else (0,)):
                         for sp in _allowed(pins, "sp", (False, True) if tp > 1 else (False,)):
-                            for recompute in _allowed(pins, "recompute", RECOMPUTE):
+                            for recompute, ep in itertools.product(_allowed(pins, "recompute", RECOMPUTE),
+                                                                   ep_pool):
                                 layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, mbs=mbs, schedule=schedule,
-                                                zero=zero, sp=sp, recompute=recompute)
+                                                zero=zero, sp=sp, recompute=recompute, ep=ep)
                                 considered += 1
                                 why = feature_reason(cfg, layout)
                                 if why:
@@ -189,7 +205,7 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str = 
     for _, _, pred in fits:
         # Variants that differ only in ZeRO stage and predict the same time: list the lowest stage.
         lay = pred.layout
-        fold = (lay.tp, lay.pp, lay.dp, lay.vpp, lay.mbs, lay.schedule, lay.sp, lay.recompute,
+        fold = (lay.tp, lay.pp, lay.dp, lay.vpp, lay.mbs, lay.schedule, lay.sp, lay.recompute, lay.ep,
                 round(pred.step_time_s, 9))
         if fold in seen:
             continue

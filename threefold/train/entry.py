@@ -24,14 +24,15 @@ def _prepare_once(cfg: Config) -> None:
                           cache_dir=cfg.data.cache_dir)
 
 
-def run_train(cfg: Config) -> int:
+def start_workers(cfg: Config, measure_memory: bool = False):
+    """Validate, prepare shared state once, run the workers; returns rank 0's result.
+    Raises WorkersFailed when a worker failed (it has printed its own reason)."""
     from threefold.train.worker import run_worker
 
     if under_launcher():
         # Started by torchrun (multi-node, Slurm): this process is one worker.
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
-        run_worker(cfg.to_dict())
-        return 0
+        return run_worker(cfg.to_dict(), measure_memory)
     validate(cfg)
     if cfg.train.device == "cuda":
         import torch
@@ -43,12 +44,18 @@ def run_train(cfg: Config) -> int:
     _prepare_once(cfg)
     world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
     if world == 1 and cfg.train.max_restarts == 0:
-        run_worker(cfg.to_dict())
-        return 0
-    from threefold.distributed.launch import WorkersFailed, launch
+        return run_worker(cfg.to_dict(), measure_memory)
+    from threefold.distributed.launch import launch
+
+    return launch(run_worker, (cfg.to_dict(), measure_memory), world, cfg.train.threads, cfg.train.max_restarts,
+                  cfg.train.timeout_s)
+
+
+def run_train(cfg: Config) -> int:
+    from threefold.distributed.launch import WorkersFailed
 
     try:
-        launch(run_worker, (cfg.to_dict(),), world, cfg.train.threads, cfg.train.max_restarts, cfg.train.timeout_s)
+        start_workers(cfg)
     except WorkersFailed as err:
         print(f"threefold: {err}", file=sys.stderr)
         return err.exit_code

@@ -14,7 +14,7 @@ from threefold.data import GlobalBatchSampler, Prefetcher, load_tokens
 from threefold.data.split import training_part
 from threefold.data.tokenizer import check_vocab, open_tokenizer
 from threefold.distributed.comm import all_reduce_max, all_reduce_sum
-from threefold.distributed.data_parallel import DataParallel, MixedPrecision
+from threefold.distributed.data_parallel import MixedPrecision, build_data_parallel
 from threefold.distributed.data_parallel.state import refresh_params
 from threefold.distributed.grid import Grid
 from threefold.distributed.parallelize import build_model
@@ -25,6 +25,7 @@ from threefold.errors import DataError
 from threefold.inference.evaluate import HeldOut
 from threefold.observe import (MetricsWriter, device_peak_flops, mfu, peak_memory_bytes, train_flops_per_token,
                                write_run_json)
+from threefold.train.expert_load import ExpertLoad
 from threefold.train.optim import lr_at
 from threefold.train.status import StatusLine
 
@@ -74,7 +75,10 @@ def resume(cfg, state, engine, log) -> int:
     return manifest.step
 
 
-def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
+def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
+    """Run cfg.train.steps steps; returns the last step's metrics. `probe` (threefold memory's
+    MemoryProbe) watches the activations of each step's schedule and measures the model state
+    after its optimizer step."""
     m, t = cfg.model, cfg.train
     is_logger = grid.global_rank == 0
     dtype = resolve_dtype(t.dtype, device)
@@ -83,9 +87,10 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
     tied = tied_head_weights(chunks, cfg, grid)  # the embedding and its copy on the last stage
     tied_copy = [w for c in chunks if c.tok_embed is None for w in tied_head_weights([c], cfg, grid)]
     precision = MixedPrecision.from_names(DTYPE_NAMES[dtype], t.grad_reduce_dtype, t.loss_scale)
-    engine = DataParallel(chunks, grid, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb,
-                          precision=precision, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                          own_bucket=tied)
+    engine = build_data_parallel(chunks, grid, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb,
+                                 precision=precision, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                                 own_bucket=tied)
+    expert_load = ExpertLoad.of(chunks, cfg, device)
     tp_partial = partial_grad_params(model)
     if executor.store is not None:  # zero-bubble W passes add their dW through the engine
         executor.store.accumulate = engine.accumulate_grad
@@ -118,10 +123,12 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
             tp_bytes0 = grid.tp.stats.total_bytes
             batches, data_wait = prefetch.get(step)
             lr = lr_at(step, t)
+            expert_load.set_loss_weight(engine.loss_scale)
             # Forward/backward of every micro-batch through this rank's stage, in schedule order;
             # each chunk's last backward runs outside no_sync so its gradient buckets start
             # reducing over dp while the rest of backward still runs.
-            loss_sum, pipe = executor.run(batches, tokens_per_step / engine.loss_scale, no_sync=engine.no_sync)
+            with probe.watch(chunks) if probe else contextlib.nullcontext():
+                loss_sum, pipe = executor.run(batches, tokens_per_step / engine.loss_scale, no_sync=engine.no_sync)
             engine.finish()
             # Tensor parallel: replicated parameters whose gradient each TP rank holds a part of
             # (norms under SP, kv heads shared when kv_heads < tp) are summed over the TP group;
@@ -131,6 +138,8 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
                 engine.all_reduce_grads_of(tied, grid.embed)
             grad_norm = engine.grad_norm([grid.pp], exclude=tied_copy)
             applied = engine.step(lr, grad_norm, t.grad_clip)
+            if probe:
+                probe.after_step(engine)
             engine.zero_grad()
             all_reduce_sum(loss_sum, grid.pp)  # only the last stage computed a loss
             all_reduce_sum(loss_sum, grid.dp)
@@ -151,12 +160,18 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
                 "dp_exposed_s": engine.comm_stats()["dp_exposed_s"], "loss_scale": engine.loss_scale,
                 "step_skipped": not applied,
             }
+            last.update(expert_load.collect(grid.world))
             if heldout is not None and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
                 last["val_loss"] = heldout.evaluate(chunks, grid, cfg)["loss"]
             metrics.write(last)
+            if last.get("moe_hot_experts") and is_logger and (step + 1) % cfg.log.interval == 0:
+                log(f"threefold: step {step + 1}: experts above 2x their layer's mean load: "
+                    f"{', '.join(last['moe_hot_experts'])}")
             status.update(step, loss_value, last["tokens_per_s"], last["mfu"])
             c = cfg.checkpoint
             if c.dir and ((c.interval and (step + 1) % c.interval == 0) or step + 1 == t.steps):
                 save(c.dir, step + 1, state, cfg.to_dict(), grid.describe(), {"optimizer_step": step + 1}, c.keep)
     metrics.close()
+    if probe:
+        return probe.gather(cfg, grid, chunks, dtype)
     return last

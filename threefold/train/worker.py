@@ -21,8 +21,9 @@ def layout_of(cfg: Config) -> RankLayout:
     return RankLayout(tp=p.tp, cp=p.cp, ep=p.ep, dp=p.dp, pp=p.pp, order=p.order)
 
 
-def run_worker(cfg_dict: dict) -> dict:
-    """Entry point of every worker; returns the last step's metrics (rank 0's are reported)."""
+def run_worker(cfg_dict: dict, measure_memory: bool = False):
+    """Entry point of every worker; returns the last step's metrics (rank 0's are reported), or
+    with `measure_memory` every rank's memory rows (on rank 0) for `threefold memory`."""
     cfg = Config.from_dict(cfg_dict)
     env = WorkerEnv.from_environ()
     device = resolve_device(cfg.train.device, env.local_rank)
@@ -33,7 +34,12 @@ def run_worker(cfg_dict: dict) -> dict:
         layout = layout_of(cfg)
         layout.check_placement(cfg.parallel.devices_per_node or env.local_world_size,
                                cfg.parallel.allow_tp_across_nodes)
-        result = train(cfg, Grid.build(layout), device)
+        probe = None
+        if measure_memory:
+            from threefold.train.memory_probe import MemoryProbe
+
+            probe = MemoryProbe()
+        result = train(cfg, Grid.build(layout), device, probe=probe)
         shutdown_distributed()
         return result
     except UserError as err:

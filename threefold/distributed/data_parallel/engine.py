@@ -15,6 +15,8 @@ one set of buckets and one optimizer. With dp = 1 every ZeRO stage is a no-op (r
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,20 +34,23 @@ MiB = 1 << 20
 class DataParallel:
     def __init__(self, model: nn.Module | list[nn.Module], grid, *, zero: int = 0, bucket_mb: float = 25.0,
                  precision: MixedPrecision | None = None, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, own_bucket: list[nn.Parameter] = ()):
+                 eps: float = 1e-8, weight_decay: float = 0.0, own_bucket: list[nn.Parameter] = (),
+                 group=None, only: Callable[[nn.Parameter], bool] | None = None, scaler: LossScaler | None = None):
         """own_bucket: parameters laid out alone, so that all_reduce_grads_of can sum them with
         the same tensor on ranks whose other parameters differ (a tied embedding and its copy
-        in the last pipeline stage, over grid.embed)."""
+        in the last pipeline stage, over grid.embed).
+        group: the replicas to reduce over (default grid.dp); only: which parameters this
+        engine trains (default all); scaler: a loss scaler shared with a sibling engine (experts)."""
         if not bucket_mb > 0:
             raise ConfigError("parallel.bucket_mb", f"must be > 0, got {bucket_mb}", "e.g. 25")
         if zero not in (0, 1, 2, 3):
             raise ConfigError("parallel.zero", f"{zero} is not a ZeRO stage", "valid: 0, 1, 2, 3")
         self.chunks = list(model) if isinstance(model, (list, tuple, nn.ModuleList)) else [model]
-        self.model, self.grid, self.group = model, grid, grid.dp
+        self.model, self.grid, self.group = model, grid, grid.dp if group is None else group
         self.requested_zero = zero
         self.zero = zero if self.group.size > 1 else 0
         self.precision = precision or MixedPrecision()
-        self.scaler = LossScaler(self.precision)
+        self.scaler = scaler or LossScaler(self.precision)
         pdt, gdt = self.precision.param_dtype, self.precision.grad_dtype
 
         with torch.no_grad():  # frozen parameters are not trained: just take the working dtype
@@ -54,7 +59,7 @@ class DataParallel:
                     if not p.requires_grad and p.is_floating_point():
                         p.data = p.data.to(pdt)
         solo_ids = {id(p) for p in own_bucket}
-        params, groups, units = _ordered_params(self.chunks, self.zero, solo_ids)
+        params, groups, units = _ordered_params(self.chunks, self.zero, solo_ids, only)
         self.params = params
         shards = self.group.size if self.zero >= 1 else 1
         self.layout = build_layout([tuple(p.shape) for p in params], bucket_mb * MiB,
@@ -160,12 +165,16 @@ class DataParallel:
         return self._held_segments(lambda slot: (index_key[slot.index], slot.index))
 
     def grad_norm(self, groups: list = (), exclude: list[nn.Parameter] = ()) -> torch.Tensor:
-        """L2 norm of the whole gradient, each logical element counted once: squares of the
+        """L2 norm of the whole gradient (see grad_sq), divided by the loss scale."""
+        return self.grad_sq(groups, exclude).sqrt() / self.scaler.scale
+
+    def grad_sq(self, groups: list = (), exclude: list[nn.Parameter] = ()) -> torch.Tensor:
+        """Squared L2 norm of the whole (loss-scaled) gradient, each logical element counted once: squares of the
         gradient this rank holds (all of it for zero 0/1, its slices for zero 2/3), tensor-
         parallel shards summed over their group (/replicas), all of it summed over dp when the
         slices partition the gradient (zero >= 2), then over `groups`
         (e.g. pipeline stages). `exclude`: copies counted elsewhere (a tied embedding's copy in
-        the last pipeline stage). Unscaled: divided by the loss scale. Non-finite = overflow."""
+        the last pipeline stage). Non-finite = overflow."""
         owned = self._held()  # zero 0/1: the whole reduced gradient, normed without dp traffic
         skip = {self._index[id(p)] for p in exclude}
         segs = [seg for seg in self._norm_segments if seg.key[1] not in skip]
@@ -186,7 +195,7 @@ class DataParallel:
         for group in groups:
             if group.size > 1:
                 dist.all_reduce(total, group=group.pg)
-        return total.sqrt() / self.scaler.scale
+        return total
 
     def step(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> bool:
         """Clip to `max_norm` (0 = off) and apply AdamW; False when the step was skipped
@@ -194,6 +203,11 @@ class DataParallel:
         the norm is global."""
         if self.scaler.enabled and not self.scaler.update(float(grad_norm)):
             return False
+        self.apply_update(lr, grad_norm, max_norm)
+        return True
+
+    def apply_update(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> None:
+        """Clip and AdamW, the loss scaler already consulted (step() without the skip decision)."""
         scale = None
         if max_norm > 0:  # the same coefficient as train.optim.clip_gradients
             scale = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
@@ -203,7 +217,6 @@ class DataParallel:
         self.optimizer.step(self.grads.owned(), lr, scale)
         if self.zero in (1, 2):  # every rank updated its slices: rebuild the replicated buffer
             self.optimizer.gather([self.store.bucket_view(b.index) for b in self.layout.buckets])
-        return True
 
     def zero_grad(self) -> None:
         self.grads.zero_grad()
@@ -250,7 +263,7 @@ class DataParallel:
         self.grads.remove_hooks()
 
 
-def _ordered_params(chunks: list[nn.Module], zero: int, solo: set[int] = frozenset()):
+def _ordered_params(chunks: list[nn.Module], zero: int, solo: set[int] = frozenset(), only=None):
     """Parameters in gradient-ready order (reverse of definition; the last chunk's first), and
     for ZeRO 3 the units: one bucket per transformer block (in `chunk.layers`), one root bucket
     per chunk for the rest (plus one per `solo` parameter there).
@@ -258,7 +271,8 @@ def _ordered_params(chunks: list[nn.Module], zero: int, solo: set[int] = frozens
     seen: set[int] = set()
     per_chunk = []
     for chunk in chunks:
-        ps = [p for p in chunk.parameters() if p.requires_grad and id(p) not in seen]  # tied: once
+        ps = [p for p in chunk.parameters()
+              if p.requires_grad and id(p) not in seen and (only is None or only(p))]  # tied: once
         seen.update(id(p) for p in ps)
         per_chunk.append(ps)
     if zero < 3:

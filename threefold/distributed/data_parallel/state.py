@@ -66,6 +66,10 @@ def owned_pieces(engine) -> list[Piece]:
 def refresh_params(engine, step: int) -> None:
     """After loading into the pieces: the optimizer's step count, then the working parameters
     from the fp32 masters (copy down, and re-gather the replicated buffer under ZeRO 1/2)."""
+    if hasattr(engine, "engines"):  # dense + expert engines of an MoE model
+        for part in engine.engines:
+            refresh_params(part, step)
+        return
     opt = engine.optimizer
     opt.step_count = step
     if opt.master_flat is not None:

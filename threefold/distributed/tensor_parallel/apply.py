@@ -27,7 +27,9 @@ from threefold.distributed.grid import Grid, Group
 from threefold.distributed.tensor_parallel.layers import (ColumnParallelLinear, HeadSliceLinear, RowParallelLinear,
                                                            VocabParallelEmbedding, enter_tensor_region,
                                                            vocab_parallel_cross_entropy)
-from threefold.distributed.tensor_parallel.mappings import all_reduce_, scatter_to_sequence_region
+from threefold.distributed.tensor_parallel.mappings import (all_gather_dim0, all_reduce_, gather_to_replicated,
+                                                             scatter_to_sequence_region)
+from threefold.model.moe import MoE
 
 
 class EnterRegion:
@@ -78,6 +80,27 @@ def _parallel_mlp(mlp: nn.Module, tp: Group, sp: bool) -> None:
     mlp.register_forward_pre_hook(EnterRegion(tp, sp))
 
 
+def _parallel_moe(moe: MoE, tp: Group, sp: bool) -> None:
+    """Experts stay whole; the TP ranks split the micro-batch's tokens instead (under SP they
+    arrive split; otherwise each rank takes its slice of the sequence and the outputs are
+    gathered back). The router's and the experts' gradients are then partial sums over tp:
+    the router's is summed like a norm's, the experts' by their own data-parallel group,
+    which spans tp (grid.expert_dp). The shared expert is a tensor-parallel MLP."""
+    moe.token_ranks, moe.token_rank = tp.size, tp.rank
+    moe.gather_counts = partial(_stacked, group=tp)
+    if not sp:
+        moe.split_tokens = partial(scatter_to_sequence_region, group=tp)
+        moe.gather_tokens = partial(gather_to_replicated, group=tp)
+    moe.router.tp_sum_grads = ("weight",)
+    if moe.shared is not None:
+        _parallel_mlp(moe.shared, tp, sp)
+
+
+def _stacked(x, group: Group):
+    """[ranks, *x.shape]: every TP rank's `x` (routing counts; no gradient)."""
+    return all_gather_dim0(x.unsqueeze(0), group)
+
+
 def _sequence_sharded(norm: nn.Module) -> None:
     # Each rank normalizes its own rows: the weight (and bias) gradient is a partial sum.
     norm.tp_sum_grads = tuple(name for name, _ in norm.named_parameters(recurse=False))
@@ -92,7 +115,10 @@ def apply_tensor_parallel(model: nn.Module, grid: Grid, sp: bool) -> nn.Module:
     tied = model.head is not None and model.tok_embed is not None and model.head.weight is model.tok_embed.weight
     for block in model.layers.values():
         _parallel_attention(block.attn, tp, sp)
-        _parallel_mlp(block.mlp, tp, sp)
+        if isinstance(block.mlp, MoE):
+            _parallel_moe(block.mlp, tp, sp)
+        else:
+            _parallel_mlp(block.mlp, tp, sp)
         if sp:
             _sequence_sharded(block.attn_norm)
             _sequence_sharded(block.mlp_norm)

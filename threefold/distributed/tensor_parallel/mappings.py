@@ -9,6 +9,7 @@ sequence-parallel forms; the forward of one is the backward of the other):
     gather_from_sequence_region  fwd all-gather(seq)  bwd reduce-scatter  enter TP from the SP region
     reduce_scatter_to_sequence_region  fwd reduce-scatter  bwd all-gather  leave TP into the SP region
     scatter_to_sequence_region   fwd split(seq)     bwd all-gather      replicated -> SP region, no traffic
+    gather_to_replicated         fwd all-gather(seq)  bwd split         SP region -> replicated (its conjugate)
     gather_from_tensor_region    fwd all-gather(last dim)  bwd split    e.g. full logits for inspection
 
 Activations are [seq, batch, ...], so "seq" is dimension 0 and every buffer is contiguous.
@@ -134,6 +135,18 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
         return all_gather_dim0(grad, ctx.group), None
 
 
+class _GatherToReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # What follows runs replicated on every rank, so each holds the whole gradient already.
+        return split_dim(grad, ctx.group, 0), None
+
+
 class _GatherFromTensorRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -164,6 +177,10 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Te
 
 def scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _ScatterToSequenceRegion.apply(x, group)
+
+
+def gather_to_replicated(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _GatherToReplicated.apply(x, group)
 
 
 def gather_from_tensor_region(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -1,0 +1,282 @@
+"""One NVIDIA GPU: CUDA correctness of threefold's code paths against CPU fp32 references, then
+MFU of a ~1B model in bf16 and its step time next to a plain PyTorch loop.
+
+    python bench/gpu.py [--json gpu.json] [--steps 12]      # on a machine with one CUDA GPU
+    python bench/gpu.py --device cpu --tiny                  # the same plumbing on CPU (tests)
+
+Checks (value <= tolerance passes), each on the device against fp32 on the CPU:
+  attention <backend> <dtype>  threefold's AttentionCore (SDPA, causal, GQA) per SDPA backend:
+                               max |out - ref| and max |dq - ref dq|, relative to max |ref|
+                               ("not served": the backend refuses that dtype/shape)
+  adamw (engine arithmetic)    threefold's adamw_update (the DP engine's optimizer) vs
+                               torch.optim.AdamW on the CPU, 5 steps
+  train fp32                   threefold train (dp = tp = pp = 1, tiny model, 3 steps): max |loss diff|
+  train bf16 + fp32 master     the same in bf16 parameters with fp32 master weights
+  recompute selective / full   vs no recompute on the same device (fp32)
+Performance: threefold train in bf16 (fp32 master weights) on the model the device's memory
+allows (gpt-1.3b preset at >= 60 GiB), median step time over the steps after warm-up, MFU
+against the device's dense bf16 peak (threefold.observe peak table); the plain loop trains
+the same model and batches with fp32 parameters under torch.autocast(bf16) and AdamW
+(fused on CUDA), the usual PyTorch recipe. TF32 stays off for the fp32 checks.
+Prints the table last, writes JSON; exits 1 if a check fails, 2 without a CUDA device.
+Budget: about 5 minutes on an H100/H200-class GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TINY = {"model.preset": "tiny", "model.seq_len": 128, "train.global_batch": 8, "train.micro_batch": 4}
+GIB = 2**30
+
+
+def pick_model(memory_bytes: int, tiny: bool = False) -> tuple[str, dict]:
+    """(label, config overrides) of the largest model up to ~1.3B whose bf16 training with fp32
+    master weights and AdamW (~16 bytes per parameter) plus activations fits in the device."""
+    if tiny:
+        return "tiny", dict(TINY)
+    gpt13 = {"model.preset": "gpt-1.3b", "model.seq_len": 2048}
+    if memory_bytes >= 60 * GIB:
+        return "gpt-1.3b", {**gpt13, "train.global_batch": 8, "train.micro_batch": 4}
+    if memory_bytes >= 32 * GIB:
+        return "gpt-1.3b", {**gpt13, "train.global_batch": 4, "train.micro_batch": 1}
+    mid = {"model.preset": "gpt-1.3b", "model.hidden": 1024, "model.heads": 16, "model.kv_heads": 16,
+           "model.ffn_hidden": 4096, "model.layers": 24, "model.seq_len": 1024}
+    if memory_bytes >= 12 * GIB:
+        return "gpt-350m", {**mid, "train.global_batch": 8, "train.micro_batch": 4}
+    return "gpt-350m", {**mid, "train.global_batch": 4, "train.micro_batch": 1}
+
+
+def make_cfg(overrides: dict, device: str, dtype: str, steps: int, log_dir: str, cache_dir: str, **extra):
+    from threefold.config import build_config
+    from threefold.validate import validate
+
+    pairs = {**overrides, "train.device": device, "train.dtype": dtype, "train.steps": steps,
+             "train.warmup_steps": 1, "log.dir": log_dir, "log.quiet": "true", "data.cache_dir": cache_dir,
+             "data.prefetch": 0, **extra}
+    return validate(build_config(None, [(k, str(v)) for k, v in pairs.items()]), 1)
+
+
+def train_metrics(overrides: dict, device: str, dtype: str, steps: int, cache_dir: str, **extra) -> list[dict]:
+    """threefold's own training worker, in this process (world of 1)."""
+    from threefold.train.worker import run_worker
+
+    with tempfile.TemporaryDirectory() as log_dir:
+        run_worker(make_cfg(overrides, device, dtype, steps, log_dir, cache_dir, **extra).to_dict())
+        return [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def max_loss_diff(a: list[dict], b: list[dict]) -> float:
+    return max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
+
+
+def check(name: str, value: float, tolerance: float) -> dict:
+    return {"check": name, "value": value, "tolerance": tolerance, "ok": bool(value <= tolerance)}
+
+
+def attention_checks(device: str) -> list[dict]:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from threefold.model.layers import AttentionCore
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 256, 64, generator=gen) for h in (8, 2, 2))  # GQA: 8 query, 2 kv heads
+    core = AttentionCore()
+
+    def run(dtype, dev, backend=None):
+        qq, kk, vv = (t.to(dev, dtype).clone().requires_grad_() for t in (q, k, v))
+        ctx = sdpa_kernel([backend]) if backend is not None else sdpa_kernel(list(SDPBackend))
+        with ctx:
+            out = core(qq, kk, vv)
+            out.float().square().sum().backward()
+        return out.float().cpu(), qq.grad.float().cpu()
+
+    ref_out, ref_dq = run(torch.float32, "cpu", SDPBackend.MATH)
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "math": SDPBackend.MATH}
+    rows = []
+    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5)):
+        for name, backend in backends.items():
+            label = f"attention {name} {str(dtype)[6:]}"
+            try:
+                out, dq = run(dtype, device, backend)
+            except RuntimeError:  # this backend does not serve this dtype/device: listed, not checked
+                rows.append({"check": label, "value": None, "tolerance": tol, "ok": True})
+                continue
+            rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
+            rows.append(check(label, max(rel(out, ref_out), rel(dq, ref_dq)), tol))
+    return rows
+
+
+def adamw_check(device: str) -> dict:
+    import torch
+
+    from threefold.distributed.data_parallel.adamw import adamw_update
+
+    gen = torch.Generator().manual_seed(1)
+    p_ref = torch.randn(1000, generator=gen)
+    grads = [torch.randn(1000, generator=gen) for _ in range(5)]
+    ref = torch.nn.Parameter(p_ref.clone())
+    opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
+    p = p_ref.clone().to(device)
+    m, s = torch.zeros_like(p), torch.zeros_like(p)
+    for i, g in enumerate(grads):
+        ref.grad = g.clone()
+        opt.step()
+        adamw_update([p], [g.to(device)], [m], [s], [p], i + 1, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+    return check("adamw (engine arithmetic)", (p.cpu() - ref.detach()).abs().max().item(), 1e-6)
+
+
+def training_checks(device: str, cache_dir: str) -> list[dict]:
+    ref = train_metrics(TINY, "cpu", "fp32", 3, cache_dir)
+    fp32 = train_metrics(TINY, device, "fp32", 3, cache_dir)
+    rows = [check("train fp32 vs CPU (max loss diff)", max_loss_diff(fp32, ref), 1e-4),
+            check("train bf16 + fp32 master vs CPU fp32", max_loss_diff(train_metrics(TINY, device, "bf16", 3,
+                                                                                      cache_dir), ref), 5e-2)]
+    for mode in ("selective", "full"):
+        got = train_metrics(TINY, device, "fp32", 3, cache_dir, **{"train.recompute": mode})
+        rows.append(check(f"recompute {mode} vs none", max_loss_diff(got, fp32), 1e-5))
+    return rows
+
+
+def plain_loop(overrides: dict, device: str, steps: int, cache_dir: str) -> list[float]:
+    """The usual PyTorch recipe on the same model and batches: fp32 parameters, autocast bf16,
+    AdamW (fused on CUDA), clipping; step times with the device synchronized."""
+    import torch
+
+    from threefold.data import GlobalBatchSampler, load_tokens
+    from threefold.model.init import init_weights
+    from threefold.model.transformer import Transformer
+    from threefold.train.optim import param_groups
+
+    cfg = make_cfg(overrides, device, "bf16", steps, "", cache_dir)
+    m, t = cfg.model, cfg.train
+    dev = torch.device(device)
+    with torch.device("meta"):
+        model = Transformer(m)
+    model.to_empty(device=dev)
+    if m.tie_embeddings:  # to_empty re-creates the parameters: tie again (gpt presets), as build_model does
+        model.head.weight = model.tok_embed.weight
+    init_weights(model, m, t.seed)
+    fused = {"fused": True} if dev.type == "cuda" else {"foreach": True}
+    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
+                            **fused)
+    tokens = load_tokens(cfg.data.path, cfg.data.vocab, cfg.data.dtype, cfg.data.cache_dir).tokens
+    sampler = GlobalBatchSampler(len(tokens), m.seq_len, t.global_batch, t.seed)
+    n_tokens, times = t.global_batch * m.seq_len, []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        for x, y in sampler.microbatches(tokens, step, 0, 1, t.micro_batch):
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                loss = model(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)) / n_tokens
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()  # synchronizes, as threefold's step does when it reads the loss
+        times.append(time.perf_counter() - t0)
+    del model, opt
+    return times
+
+
+def performance(device: str, label: str, overrides: dict, steps: int, cache_dir: str) -> dict:
+    import torch
+
+    from threefold.observe import device_peak_flops, train_flops_per_token
+
+    warm = min(2, steps - 1)
+    metrics = train_metrics(overrides, device, "bf16", steps, cache_dir)
+    gc.collect()  # the threefold model's memory goes back before the plain loop allocates its own
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    plain = plain_loop(overrides, device, steps, cache_dir)[warm:]
+    cfg = make_cfg(overrides, device, "bf16", steps, "", cache_dir)
+    tokens = cfg.train.global_batch * cfg.model.seq_len
+    flops = train_flops_per_token(cfg.model, cfg.model.seq_len) * tokens
+    peak = device_peak_flops(torch.device(device), torch.bfloat16, cache_dir=cache_dir)
+    ours = statistics.median(r["step_time_s"] for r in metrics[warm:])
+    theirs = statistics.median(plain)
+    mfu = (lambda s: flops / s / peak if peak else None)
+    return {"model": label, "overrides": overrides, "tokens_per_step": tokens, "peak_flops": peak,
+            "threefold_step_s": ours, "plain_step_s": theirs, "ratio": ours / theirs,
+            "threefold_mfu": mfu(ours), "plain_mfu": mfu(theirs), "steps": steps, "warmup": warm,
+            "final_loss": metrics[-1]["loss"]}
+
+
+def table(checks: list[dict], perf: dict | None) -> str:
+    lines = ["| check | value | tolerance | result |", "|---|---|---|---|"]
+    for c in checks:
+        if c["value"] is None:
+            lines.append(f"| {c['check']} | not served | {c['tolerance']:.0e} | - |")
+            continue
+        lines.append(f"| {c['check']} | {c['value']:.2e} | {c['tolerance']:.0e} | {'ok' if c['ok'] else 'FAIL'} |")
+    if perf and perf.get("error"):
+        lines.append(f"\nperformance ({perf['model']}) failed: {perf['error']}")
+    elif perf:
+        pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+        lines += ["", f"{perf['model']} in bf16 (fp32 master weights), {perf['tokens_per_step']:,} tokens per step, "
+                  f"median of {perf['steps'] - perf['warmup']} steps after {perf['warmup']} warm-up", "",
+                  "| contestant | step ms | tokens/s | MFU |", "|---|---|---|---|"]
+        for name, key in (("threefold", "threefold"), ("plain PyTorch (autocast bf16)", "plain")):
+            s = perf[f"{key}_step_s"]
+            lines.append(f"| {name} | {s * 1e3:.1f} | {perf['tokens_per_step'] / s:,.0f} | {pct(perf[f'{key}_mfu'])} |")
+        lines.append(f"\nthreefold / plain step time: {perf['ratio']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: only with --tiny, for tests")
+    ap.add_argument("--tiny", action="store_true", help="tiny model for the performance part (plumbing checks)")
+    ap.add_argument("--steps", type=int, default=12, help="training steps of each performance contestant")
+    ap.add_argument("--json", default="gpu_bench.json", help="where to write the results")
+    ap.add_argument("--skip-perf", action="store_true", help="correctness checks only")
+    args = ap.parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"bench/gpu.py: error: no CUDA device (torch {torch.__version__}, built with CUDA "
+              f"{torch.version.cuda}); run it on a machine with an NVIDIA GPU, or --device cpu --tiny to test",
+              file=sys.stderr)
+        return 2
+    if args.device == "cpu" and not args.tiny:
+        print("bench/gpu.py: error: --device cpu needs --tiny (a ~1B model on CPU would take hours)",
+              file=sys.stderr)
+        return 2
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        name, memory = torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory
+    else:
+        name, memory = "cpu", 0
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as cache_dir:
+        checks = attention_checks(args.device) + [adamw_check(args.device)]
+        checks += training_checks(args.device, cache_dir)
+        perf = None
+        if not args.skip_perf:
+            label, overrides = pick_model(memory, args.tiny)
+            try:
+                perf = performance(args.device, label, overrides, args.steps, cache_dir)
+            except RuntimeError as err:  # e.g. out of memory: keep the checks, report the failure
+                perf = {"model": label, "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"}
+    result = {"device": name, "memory_bytes": memory, "torch": torch.__version__, "cuda": torch.version.cuda,
+              "seconds": time.perf_counter() - t0, "checks": checks, "performance": perf,
+              "all_ok": all(c["ok"] for c in checks) and not (perf or {}).get("error")}
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"\n{name}, torch {torch.__version__}, {result['seconds']:.0f} s; results in {args.json}\n")
+    print(table(checks, perf))
+    return 0 if result["all_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The whole benchmark suite in one command: every side-by-side comparison, then docs/benchmarks.md
+rewritten from scratch with the tables, the machine and the command.
+
+    python bench/run.py                 # full suite (~20 min on 2 cores); rewrites docs/benchmarks.md
+    python bench/run.py --quick         # every section with few steps (< 3 min); prints, writes nothing
+    python bench/run.py --only threed_vs_torch dp_vs_ddp [--out FILE]
+    python bench/run.py --list
+    threefold bench ...                 # the same
+
+Each section runs in this process tree (its ranks are spawned from here), contestants
+interleaved inside it; every number in the written file comes from this run. The full run
+writes docs/benchmarks.md unless --out says otherwise; --quick and --only write only where
+--out points (their numbers are partial). --json FILE also saves the ratios and the machine.
+
+Adding a section is one `Script(...)` line in SECTIONS below: the bench/ module whose
+`main(argv)` prints markdown tables and returns its rows, a title, the arguments of a full and
+of a quick run, a function from the rows to named ratios, and goals by ratio-name prefix.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from suite import Script, run_sections, write_json, write_markdown  # noqa: E402
+
+
+def _med(times) -> float:
+    return statistics.median(times)
+
+
+def _dp_ratios(r: dict) -> dict[str, float]:
+    out = {f"{label} time": _med(r[key]["threefold"]) / _med(r[key]["torch"])
+           for key, label in (("dp", "zero 0 / DDP"), ("zero1", "zero 1 / ZeroRedundancyOptimizer"),
+                              ("zero3", "zero 3 / FSDP2"))}
+    out["zero 3 / FSDP2 memory"] = r["zero3_memory"]["threefold"] / r["zero3_memory"]["torch"]
+    for key, label in (("overlap0", "zero 0"), ("overlap2", "zero 2")):
+        out[f"{label} DP communication hidden"] = 1 - r[key]["exposed"] / r[key]["serial"]
+    return out
+
+
+def _threed_ratios(r: dict) -> dict[str, float]:
+    from threed_vs_torch import comm_ratios
+
+    return {"tokens/s threefold / torch": r["ratio"], "max loss difference": r["loss_diff"], **comm_ratios(r)}
+
+
+SECTIONS = [
+    Script("overhead", "Framework overhead: threefold vs a plain PyTorch loop (single process)",
+           "--rounds 5 --steps 30", "--quick", lambda r: {"threefold / plain loop time": r["ratio"]},
+           {"threefold / plain": "<= 1.05"}),
+    Script("dp_vs_ddp", "Data parallelism and ZeRO vs DDP, ZeroRedundancyOptimizer, FSDP2 (2 ranks)",
+           "--rounds 6", "--quick", _dp_ratios,
+           {"zero 0 / DDP": "<= 1.0", "zero 3 / FSDP2 time": "<= 0.8", "zero 3 / FSDP2 memory": "<= 1.0"}),
+    Script("tp_vs_dtensor", "Tensor parallelism vs PyTorch DTensor",
+           "--rounds 5 --steps 10", "--tp 2 --sp off --rounds 2 --steps 2 --warmup 1",
+           lambda rows: {f"tp{r['tp']} sp {r['sp']} time": r["ratio"] for r in rows}, {"tp": "<= 0.8"}),
+    Script("tp_memory", "Activation memory per rank vs the formulas (Korthikanti et al. 2022, adjusted)",
+           "", "--tp 2 --attention flash --seq 128",
+           lambda rows: {"worst distance of measured / predicted from 1": max(abs(r["ratio"] - 1) for r in rows)},
+           {"worst": "<= 0.15"}),
+    Script("pp_bubble", "Pipeline bubble vs theory (equal-cost sleeping stages)",
+           "--p 4 --m 8 --forward-ms 60 --steps 3", "--p 2 --m 4 --forward-ms 20 --steps 1",
+           lambda rows: {f"{r['schedule']} bubble measured / theory": r["measured"] / r["theory"] for r in rows},
+           note="Bubble = 1 - compute / step wall time (mean over ranks, median over steps); theory: gpipe and "
+                "1f1b (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1), zb (p-1)/(3m+p-1). Every stage boundary costs "
+                "a gloo transfer the formulas count as zero."),
+    Script("pp_vs_torch", "Pipeline schedules vs torch.distributed.pipelining",
+           "", "--quick --pairs 1f1b interleaved",
+           lambda rows: {f"{r['name']} p{r['p']} time": r["ratio"] for r in rows},
+           {"gpipe": "<= 0.9", "1f1b": "<= 0.9", "interleaved": "<= 0.9"}),
+    Script("moe_dispatch", "Expert parallelism: all-to-all dispatch and MoE tokens/s (ep 1, 2, 4; 4 ranks)",
+           "--rounds 5 --steps 5", "--quick",
+           lambda rows: {**{f"ep{r['ep']} / ep1 tokens/s": r["vs_ep1"] for r in rows[1:]},
+                         **{f"ep{r['ep']} all-to-all share": r["all_to_all_s"] / r["step_s"] for r in rows[1:]}},
+           note="On one CPU box ep trades each rank's share of expert matmuls for all-to-all traffic; the "
+                "ratios show what that exchange costs over gloo, not a speed-up to expect from CPUs."),
+    Script("threed_vs_torch", "Full 3D vs PyTorch's composable stack (FSDP2 + DTensor TP + pipelining)",
+           "--rounds 4 --steps 3", "--quick", _threed_ratios,
+           {"tokens/s": ">= 1.0", "max loss": "<= 1e-05", "memory": "<= 1.05"}),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="few steps per section (under 3 minutes); indicative")
+    ap.add_argument("--only", nargs="+", metavar="SECTION", help="run only these sections (see --list)")
+    ap.add_argument("--out", help="markdown file to write (default: docs/benchmarks.md for a full run)")
+    ap.add_argument("--json", help="also write the ratios and the machine description here")
+    ap.add_argument("--list", action="store_true", help="list the sections and exit")
+    args = ap.parse_args(argv)
+    names = [s.name for s in SECTIONS]
+    if args.list:
+        for s in SECTIONS:
+            print(f"{s.name:18} {s.title}")
+        return 0
+    unknown = sorted(set(args.only or []) - set(names))
+    if unknown:
+        print(f"bench/run.py: error: unknown section {unknown[0]!r} (valid: {', '.join(names)})", file=sys.stderr)
+        return 2
+    sections = [s for s in SECTIONS if not args.only or s.name in args.only]
+    out = args.out or (None if args.quick or args.only else str(ROOT / "docs" / "benchmarks.md"))
+    return run_suite(sections, args.quick, out, args.json, "python bench/run.py" + "".join(
+        f" {shlex.quote(a)}" for a in argv))
+
+
+def run_suite(sections: list, quick: bool, out: str | None, json_path: str | None, command: str) -> int:
+    from suite import machine
+
+    info = machine()
+    t0 = time.perf_counter()
+    results = run_sections(sections, quick, log=lambda *a, **k: print(*a, file=sys.stderr, **k))
+    text = write_markdown(results, info, command, time.perf_counter() - t0, quick)
+    if out:
+        tmp = Path(out).with_suffix(".tmp")
+        tmp.write_text(text + "\n")
+        os.replace(tmp, out)  # never leave a half-written document
+        print(f"bench: wrote {out}", file=sys.stderr)
+    else:
+        print(text)
+    if json_path:
+        write_json(json_path, results, info, command)
+    return 1 if any(r.error for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

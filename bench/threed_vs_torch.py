@@ -1,0 +1,342 @@
+"""Full 3D (dp x tp x pp) training step: threefold vs PyTorch's composable stack, side by side.
+
+Both contestants train the same model (threefold's Transformer, tiny preset) in the same
+dp*tp*pp gloo processes (8 for the default dp2 x tp2 x pp2), on the same global batch cut into
+the same micro-batches, with the same AdamW hyper-parameters, constant lr and clipping:
+
+  A  threefold: build_stage over build_model (TP-sharded chunks) -> PipelineExecutor.run ->
+     DataParallel (ZeRO `--zero`, default 3) finish -> TP partial-gradient sync -> global
+     gradient norm over dp, tp and pp -> clip + AdamW -> zero_grad: the step of threefold's
+     training loop (threefold/train/loop.py) without its metrics.
+  B  torch: for each pipeline rank, the plain (unsharded) chunk with the same layer ids and
+     the same layout-invariant initialization, then DTensor tensor parallelism
+     (`parallelize_module`: ColwiseParallel wq/wk/wv/w1/w3/head, RowwiseParallel wo/w2 and the
+     embedding, the head's logits left vocab-sharded under `loss_parallel`), then FSDP2
+     `fully_shard` per block and per chunk over the dp dimension of one 3-D DeviceMesh
+     (pp, dp, tp), so each stage's parameters are 2-D (dp, tp) sharded; then
+     `torch.distributed.pipelining.PipelineStage` over the mesh's pp group with the matching
+     schedule class (Schedule1F1B / ScheduleGPipe), loss = summed cross-entropy / tokens of
+     the dp rank's batch (FSDP2 averages over dp), scale_grads=False; the global gradient norm
+     as torchtitan computes it (per-mesh DTensor norms, squared, summed over pp); torch AdamW.
+
+Configured identically: same weights, same batches, same lr (constant), betas, eps 1e-8,
+weight decay on matrices only, clipping at the same global norm, fp32 everywhere, dropout 0,
+no sequence parallelism, no tied embeddings. FSDP2 runs with reshard_after_forward=False
+inside the pipeline, as torchtitan does, so parameters are gathered once per step rather than
+per micro-batch. Contestants alternate in blocks A, B, A, B ... inside one process group;
+step time is the interval between step ends on global rank 0 (median and interquartile range);
+tokens/s = global batch tokens / step time.
+
+The threefold side also reports the bytes its collectives moved per step next to the analytic
+count for the layout (TP from Group.stats; DP counted at the torch.distributed calls on the dp
+group) and its per-rank model-state memory next to ZeRO's formula.
+
+    python bench/threed_vs_torch.py [--dp 2 --tp 2 --pp 2] [--rounds 4] [--steps 3] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from composable3d import SCHEDULES, torch_contestant  # noqa: E402
+from harness import run_ranks  # noqa: E402
+
+
+def make_cfg(dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dict):
+    from threefold.config import build_config
+    from threefold.validate import validate
+
+    pairs = [(k, str(v)) for k, v in shape.items()]
+    pairs += [("parallel.dp", str(dp)), ("parallel.tp", str(tp)), ("parallel.pp", str(pp)),
+              ("parallel.schedule", schedule), ("parallel.zero", str(zero)), ("parallel.sp", "false"),
+              ("log.dir", ""), ("log.quiet", "true")]
+    return validate(build_config(None, pairs), dp * tp * pp)
+
+
+class DpCounter:
+    """Bytes of the torch.distributed collectives issued on one process group (message size:
+    the all-reduced tensor, the all-gather's output, the reduce-scatter's input), counted at
+    the torch.distributed functions the data-parallel engine calls."""
+
+    KINDS = {"all_reduce": 0, "all_gather_single": 0, "all_gather_into_tensor": 0, "reduce_scatter_single": 1,
+             "reduce_scatter_tensor": 1}  # which argument holds the message
+
+    def __init__(self, pg):
+        import torch.distributed as dist
+
+        self.pg, self.bytes, self._dist, self._orig = pg, 0, dist, {}
+        for name, arg in self.KINDS.items():
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._orig[name] = fn
+                setattr(dist, name, self._wrap(fn, arg))
+
+    def _wrap(self, fn, arg: int):
+        def counted(*args, **kwargs):
+            if kwargs.get("group") is self.pg:
+                t = args[arg]
+                self.bytes += t.numel() * t.element_size()
+            return fn(*args, **kwargs)
+        return counted
+
+    def close(self) -> None:
+        for name, fn in self._orig.items():
+            setattr(self._dist, name, fn)
+
+
+def threefold_contestant(cfg, grid):
+    import torch
+    from torch import nn
+
+    from threefold.distributed.data_parallel import DataParallel, MixedPrecision, measure_memory
+    from threefold.distributed.parallelize import build_model
+    from threefold.distributed.pipeline.stage import build_stage
+    from threefold.distributed.tensor_parallel import partial_grad_params
+
+    t, device = cfg.train, torch.device("cpu")
+    chunks, executor = build_stage(cfg, grid, device, partial(build_model, cfg, grid, device))
+    engine = DataParallel(chunks, grid, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb,
+                          precision=MixedPrecision.from_names("fp32", t.grad_reduce_dtype, t.loss_scale),
+                          betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    tp_partial = partial_grad_params(nn.ModuleList(chunks))
+    holds_last = any(executor.plan.last)
+    blocks = sum(q.numel() for c in chunks for q in c.layers.parameters())
+    memory = {"block_numel": blocks}
+
+    def step(micro, n_tokens):
+        loss_sum, _ = executor.run(micro, n_tokens / engine.loss_scale, no_sync=engine.no_sync)
+        engine.finish()
+        engine.all_reduce_grads_of(tp_partial, grid.tp)
+        engine.step(t.lr, engine.grad_norm([grid.pp]), t.grad_clip)
+        if "measured" not in memory:  # after the step, before zero_grad: where the torch side is measured too
+            report = measure_memory(engine)
+            memory.update(measured=report.measured_total, predicted=report.predicted_total,
+                          formula=report.formula, numel=report.numel)
+        engine.zero_grad()
+        return loss_sum.item() if holds_last else None
+
+    return step, memory
+
+
+def analytic_bytes(cfg, layers: int, first: bool, last: bool, numel: int, block_numel: int) -> dict:
+    """Message bytes per step on this rank that the layout needs (the convention of Group.stats).
+    TP without SP: per layer and micro-batch 2 forward all-reduces (attention and MLP outputs)
+    and 2 backward (the inputs of the column-parallel projections) of s*b*h values; the first
+    stage's vocab-parallel embedding adds one forward, the last stage's head one backward.
+    DP (P = this rank's parameters, fp32): ZeRO 0 one all-reduce of P; 1/2 a reduce-scatter of
+    the gradients and an all-gather of the parameters (2P); 3 (threefold/distributed/
+    data_parallel/params.py) a reduce-scatter of P, every block gathered for each micro-batch's
+    forward and again for its backward, the root (embedding, norm, head) once per micro-batch
+    (the root stays gathered from a forward to its backward: fewer when micro-batches overlap)."""
+    m, p = cfg.model, cfg.parallel
+    x = m.seq_len * cfg.train.micro_batch * m.hidden * 4
+    tp = p.microbatches * x * (4 * layers + int(first) + int(last)) if p.tp > 1 else 0
+    if p.dp == 1:
+        dp = 0
+    elif p.zero == 0:
+        dp = numel
+    elif p.zero in (1, 2):
+        dp = 2 * numel
+    else:
+        dp = numel + 2 * p.microbatches * block_numel + p.microbatches * (numel - block_numel)
+    return {"tp": tp, "dp": 4 * dp}
+
+
+def bench_worker(dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dict, rounds: int, steps: int,
+                 warmup: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from threefold.data import GlobalBatchSampler, load_tokens
+    from threefold.distributed.grid import Grid, RankLayout
+    from threefold.distributed.pipeline.partition import stage_layer_ids
+    from threefold.distributed.runtime import init_distributed, shutdown_distributed
+
+    init_distributed(torch.device("cpu"), timeout_s=900)
+    cfg = make_cfg(dp, tp, pp, schedule, zero, shape)
+    grid = Grid.build(RankLayout(tp=tp, dp=dp, pp=pp))
+    # threefold's default order tp-cp-ep-dp-pp puts rank = tp + tp*dp_index + tp*dp*pp_index:
+    # the row-major (pp, dp, tp) mesh gives every rank the same coordinates on both sides.
+    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    assert (mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) == \
+        (grid.pp_rank, grid.dp_rank, grid.tp_rank)
+    t, m = cfg.train, cfg.model
+    tokens = load_tokens(cfg.data.path, cfg.data.vocab, cfg.data.dtype, cfg.data.cache_dir).tokens
+    sampler = GlobalBatchSampler(len(tokens), m.seq_len, t.global_batch, t.seed)
+    n_data = 2 + warmup + rounds * steps
+    data = [sampler.microbatches(tokens, s, grid.dp_rank, dp, t.micro_batch) for s in range(n_data)]
+    n_tokens = t.global_batch * m.seq_len
+
+    counter = DpCounter(grid.dp.pg)
+    tf_step, tf_memory = threefold_contestant(cfg, grid)
+    tp0, dp0 = grid.tp.stats.total_bytes, counter.bytes
+    first_loss = {"threefold": [tf_step(data[0], n_tokens)]}
+    comm = {"tp": grid.tp.stats.total_bytes - tp0, "dp": counter.bytes - dp0}
+    counter.close()
+    torch_step, torch_memory = torch_contestant(cfg, schedule, mesh, n_tokens // dp)
+    contestants = {"threefold": tf_step, "torch": torch_step}
+    first_loss["torch"] = [torch_step(data[0], n_tokens)]
+    for name, step in contestants.items():  # second step: checks the gradients and the update agree
+        first_loss[name].append(step(data[1], n_tokens))
+    i = 2
+    for step in contestants.values():
+        for _ in range(warmup):
+            step(data[i % n_data], n_tokens)
+    times: dict[str, list[float]] = {k: [] for k in contestants}
+    for _ in range(rounds):
+        for name, step in contestants.items():  # A, B, A, B ...
+            dist.barrier()
+            last = time.perf_counter()
+            for _ in range(steps):
+                step(data[i % n_data], n_tokens)
+                i += 1
+                now = time.perf_counter()
+                times[name].append(now - last)
+                last = now
+    layers = stage_layer_ids(m, pp, 1, cfg.parallel.stage_layers)[grid.pp_rank]
+    analytic = analytic_bytes(cfg, len(layers), grid.is_first_stage, grid.is_last_stage, tf_memory["numel"],
+                              tf_memory["block_numel"])
+    out = {"rank": grid.global_rank, "coords": (grid.dp_rank, grid.tp_rank, grid.pp_rank), "times": times,
+           "losses": first_loss, "comm": comm, "analytic": analytic, "memory": {"threefold": tf_memory,
+                                                                                "torch": torch_memory}}
+    del contestants
+    gc.collect()
+    shutdown_distributed()
+    return out
+
+
+def summary(times: list[float]) -> tuple[float, float, float]:
+    if len(times) < 2:
+        return times[0], times[0], times[0]
+    q = statistics.quantiles(times, n=4, method="inclusive")
+    return statistics.median(times), q[0], q[2]
+
+
+def global_losses(per_rank: list[dict], n_tokens: int) -> dict[str, list[float]]:
+    """Loss per token of the whole global batch: the last stage's tp-rank-0 sums over dp."""
+    out = {}
+    for name in ("threefold", "torch"):
+        holders = [r for r in per_rank if r["losses"][name][0] is not None and r["coords"][1] == 0]
+        out[name] = [sum(r["losses"][name][k] for r in holders) / n_tokens for k in range(2)]
+    return out
+
+
+def run(dp: int = 2, tp: int = 2, pp: int = 2, schedule: str = "1f1b", zero: int = 3, rounds: int = 4,
+        steps: int = 3, warmup: int = 1, shape: dict | None = None) -> dict:
+    shape = shape or {"model.preset": "tiny", "model.seq_len": 64, "train.global_batch": 16, "train.micro_batch": 2}
+    per_rank = run_ranks(bench_worker, dp * tp * pp, dp, tp, pp, schedule, zero, shape, rounds, steps, warmup,
+                         timeout=1800)
+    cfg = make_cfg(dp, tp, pp, schedule, zero, shape)
+    n_tokens = cfg.train.global_batch * cfg.model.seq_len
+    a, b = summary(per_rank[0]["times"]["threefold"]), summary(per_rank[0]["times"]["torch"])
+    losses = global_losses(per_rank, n_tokens)
+    return {"dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "zero": zero, "m": cfg.parallel.microbatches,
+            "micro_batch": cfg.train.micro_batch, "global_batch": cfg.train.global_batch, "seq": cfg.model.seq_len,
+            "layers": cfg.model.layers, "hidden": cfg.model.hidden, "grad_clip": cfg.train.grad_clip,
+            "rounds": rounds, "steps": steps,
+            "threefold": a, "torch": b, "tokens_per_s": (n_tokens / a[0], n_tokens / b[0]),
+            "ratio": b[0] / a[0], "losses": losses,
+            "loss_diff": max(abs(x - y) for x, y in zip(losses["threefold"], losses["torch"])),
+            "ranks": per_rank}
+
+
+def fmt(s) -> str:
+    return f"{s[0] * 1e3:.1f} [{s[1] * 1e3:.0f}-{s[2] * 1e3:.0f}]"
+
+
+def markdown(r: dict) -> str:
+    lines = [f"dp{r['dp']} x tp{r['tp']} x pp{r['pp']} ({r['dp'] * r['tp'] * r['pp']} processes), {r['schedule']}, "
+             f"tiny llama ({r['layers']} layers, hidden {r['hidden']}), seq {r['seq']}, global batch "
+             f"{r['global_batch']} = dp {r['dp']} x {r['m']} micro-batches of {r['micro_batch']}; threefold ZeRO "
+             f"{r['zero']} vs FSDP2; {r['rounds']} rounds x {r['steps']} steps interleaved, median [IQR] ms "
+             "on rank 0", "",
+             "| contestant | step ms | tokens/s | loss step 1 | loss step 2 |", "|---|---|---|---|---|"]
+    for k, label in (("threefold", "threefold"), ("torch", "FSDP2 + DTensor TP + pipelining")):
+        i = 0 if k == "threefold" else 1
+        la = r["losses"][k]
+        lines.append(f"| {label} | {fmt(r[k])} | {r['tokens_per_s'][i]:,.0f} | {la[0]:.6f} | {la[1]:.6f} |")
+    lines += ["", f"tokens/s ratio threefold / torch: **{r['ratio']:.2f}**; largest loss difference "
+              f"{r['loss_diff']:.1e}.", "",
+              "Configured identically: the same weights (threefold's layout-invariant initialization of the plain "
+              "chunks), the same batches (threefold's sampler), constant lr, AdamW betas, eps 1e-8 and weight "
+              f"decay on matrices only, both clipping at global gradient norm {r['grad_clip']}, fp32, dropout 0, "
+              "no sequence parallelism, untied embeddings. What differs is each stack's own machinery: FSDP2 runs "
+              "with reshard_after_forward=False (torchtitan's setting under pipelining: one gather per step) "
+              "while threefold's ZeRO 3 gathers each block per micro-batch; torch AdamW runs foreach=False "
+              "(its parameters are DTensors on two meshes).", "",
+              "Per-rank communication of one threefold step vs the analytic count, and model-state memory "
+              "(parameters + gradients + optimizer state after the step) vs ZeRO's formula and FSDP2:", "",
+              "| rank (dp, tp, pp) | TP bytes | TP analytic | ratio | DP bytes | DP analytic | ratio | "
+              "memory B | formula B | FSDP2 B |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for q in r["ranks"]:
+        c, an, mem = q["comm"], q["analytic"], q["memory"]
+        dp_an = an["dp"]
+        tp_ratio = f"{c['tp'] / an['tp']:.3f}" if an["tp"] else "-"
+        dp_ratio = f"{c['dp'] / dp_an:.3f}" if dp_an else "-"
+        lines.append(f"| {q['rank']} {q['coords']} | {c['tp']:,} | {an['tp']:,} | {tp_ratio} | {c['dp']:,} | "
+                     f"{dp_an:,} | {dp_ratio} | {mem['threefold']['measured']:,} | "
+                     f"{mem['threefold']['predicted']:,.0f} | {mem['torch']['measured']:,} |")
+    lines += ["", "TP analytic: 4 all-reduces of seq x micro-batch x hidden fp32 values per layer and micro-batch "
+              "(2 forward, 2 backward), plus the vocab-parallel embedding (first stage) and head input gradient "
+              "(last stage); the last stage's excess is the vocab-parallel cross-entropy's per-token statistics. "
+              f"DP analytic (ZeRO {r['zero']}): " + DP_RULE[min(r["zero"], 3)] + " Memory formula: ZeRO's "
+              f"{r['ranks'][0]['memory']['threefold']['formula']} (P: the rank's parameters, N: dp)."]
+    return "\n".join(lines)
+
+
+DP_RULE = {0: "one all-reduce of the rank's P gradients.", 1: "reduce-scatter of P gradients + all-gather of P "
+           "parameters.", 2: "reduce-scatter of P gradients + all-gather of P parameters.",
+           3: "reduce-scatter of P gradients, each block all-gathered for every micro-batch's forward and again "
+              "for its backward, the root (embedding, final norm, head) once per micro-batch (fewer when it is "
+              "still gathered from the micro-batch before)."}
+
+
+def comm_ratios(r: dict) -> dict[str, float]:
+    """Worst measured/analytic ratio of TP and DP bytes over ranks, and memory vs formula."""
+    tp, dp, mem = [], [], []
+    for q in r["ranks"]:
+        an, m = q["analytic"], q["memory"]["threefold"]
+        if an["tp"]:
+            tp.append(q["comm"]["tp"] / an["tp"])
+        if an["dp"]:
+            dp.append(q["comm"]["dp"] / an["dp"])
+        mem.append(m["measured"] / m["predicted"])
+    out = {"memory / ZeRO formula (worst rank)": max(mem)}
+    if tp:
+        out["TP bytes / analytic (worst rank)"] = max(tp)
+    if dp:
+        out["DP bytes / analytic (worst rank)"] = max(dp)
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
+    ap.add_argument("--zero", type=int, default=3, choices=[0, 1, 2, 3])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per block")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="1 round of 2 steps")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 1, 2, 0
+    r = run(args.dp, args.tp, args.pp, args.schedule, args.zero, args.rounds, args.steps, args.warmup)
+    print(markdown(r))
+    return r
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""`threefold memory`: measured per-rank bytes next to ZeRO's and the activation formulas."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from threefold.distributed.pipeline.schedules import build_schedule
+from threefold.train.memory_probe import peak_inflight_heads, peak_inflight_layers
+
+
+@pytest.mark.parametrize("schedule, p, m, v, rank, layers, heads", [
+    ("gpipe", 4, 8, 1, 0, 8, 8),        # every forward before any backward
+    ("1f1b", 4, 8, 1, 0, 4, 4),         # min(p - rank, m) micro-batches
+    ("1f1b", 4, 8, 1, 3, 1, 1),
+    ("1f1b", 4, 2, 1, 0, 2, 2),
+    ("interleaved", 2, 4, 2, 0, 5, 2),  # min(v m, (v-1) p + 2 (p-1) + 1) chunks; chunk 1 holds 2
+])
+def test_in_flight_microbatches_follow_the_schedule(schedule, p, m, v, rank, layers, heads):
+    actions = build_schedule(schedule, p, m, v)[rank]
+    assert peak_inflight_layers(actions, [1] * v) == layers
+    assert peak_inflight_heads(actions, v - 1) == heads
+    assert peak_inflight_heads(actions, None) == 0
+
+
+def _memory(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "threefold", "memory", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_memory_command_measures_every_rank_against_the_formulas(cache_dir):
+    out = _memory("--parallel.pp", "2", "--parallel.dp", "2", "--parallel.zero", "1", "--data.cache_dir", cache_dir,
+                  "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3]
+    assert {(r["pp"], r["dp"]) for r in rows} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    for r in rows:
+        meas, pred = r["measured"], r["predicted"]
+        for c in ("params", "grads", "optimizer"):
+            assert meas[c] == pytest.approx(pred[c], rel=0.05), (r["rank"], c)
+        assert meas["optimizer"] == pytest.approx(meas["params"], rel=0.05)  # fp32: 8P / N=2 = 4P = params
+        assert meas["activations"] == pytest.approx(pred["activations"], rel=0.10), r["rank"]
+    first, last = rows[0]["measured"]["activations"], rows[2]["measured"]["activations"]
+    assert first > last  # 1F1B: the first stage holds p micro-batches, the last one
+
+
+def test_memory_command_bad_key_is_one_line():
+    out = _memory("--parallel.zeroo", "1")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "parallel.zeroo" in lines[0]

@@ -1,0 +1,99 @@
+"""Data parallelism for a mixture-of-experts model: two engines, one optimizer step.
+
+Dense parameters are replicated over grid.dp. A routed expert lives on one expert-parallel
+rank and is replicated over grid.expert_dp (the tp x edp ranks with the same ep index: the
+TP ranks split the tokens, the edp ranks the batch), so its gradient is reduced, and under
+ZeRO its optimizer state sharded, over that group instead. Each group gets its own
+`DataParallel` (buckets, ZeRO stage, AdamW); this class makes them act as one: one loss
+scaler, one skip decision, one global gradient norm.
+
+    engine = build_data_parallel(chunks, grid, zero=1, ...)   # DataParallel when there are no experts
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from threefold.distributed.data_parallel.engine import DataParallel
+from threefold.model.moe import expert_parameters
+
+
+def build_data_parallel(chunks: list[nn.Module], grid, **kwargs):
+    """One engine over grid.dp, or the dense + expert pair when `chunks` hold routed experts."""
+    experts = expert_parameters(chunks)
+    if not experts:
+        return DataParallel(chunks, grid, **kwargs)
+    return ExpertDataParallel(chunks, grid, {id(p) for p in experts}, **kwargs)
+
+
+class ExpertDataParallel:
+    def __init__(self, chunks: list[nn.Module], grid, expert_ids: set[int], own_bucket=(), **kwargs):
+        self.dense = DataParallel(chunks, grid, own_bucket=own_bucket, only=lambda p: id(p) not in expert_ids,
+                                  **kwargs)
+        self.experts = DataParallel(chunks, grid, group=grid.expert_dp, only=lambda p: id(p) in expert_ids,
+                                    scaler=self.dense.scaler, **kwargs)
+        self.engines = [self.dense, self.experts]
+        self.chunks, self.grid, self.scaler = self.dense.chunks, grid, self.dense.scaler
+
+    @property
+    def zero(self) -> int:
+        return self.dense.zero
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with self.dense.no_sync(), self.experts.no_sync():
+            yield
+
+    def finish(self) -> None:
+        for e in self.engines:
+            e.finish()
+
+    def _owner(self, param: nn.Parameter) -> DataParallel:
+        return self.experts if id(param) in self.experts._index else self.dense
+
+    def accumulate_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        self._owner(param).accumulate_grad(param, grad)
+
+    def all_reduce_grads_of(self, params: list[nn.Parameter], group) -> None:
+        for e in self.engines:
+            e.all_reduce_grads_of([p for p in params if id(p) in e._index], group)
+
+    def grad_norm(self, groups: list = (), exclude: list[nn.Parameter] = ()) -> torch.Tensor:
+        """Both engines' squares (each over its own groups: experts once per ep shard), then
+        summed over `groups` once (pipeline stages may have no experts at all)."""
+        total = self.dense.grad_sq([], exclude) + self.experts.grad_sq([])
+        for group in groups:
+            if group.size > 1:
+                dist.all_reduce(total, group=group.pg)
+        return total.sqrt() / self.scaler.scale
+
+    def step(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> bool:
+        if self.scaler.enabled and not self.scaler.update(float(grad_norm)):
+            return False
+        for e in self.engines:
+            e.apply_update(lr, grad_norm, max_norm)
+        return True
+
+    def zero_grad(self) -> None:
+        for e in self.engines:
+            e.zero_grad()
+
+    def comm_stats(self) -> dict:
+        dense, experts = self.dense.comm_stats(), self.experts.comm_stats()
+        out = {k: v + experts.get(k, 0) for k, v in dense.items()}
+        out["expert_dp_exposed_s"] = experts["dp_exposed_s"]
+        return out
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {**self.dense.full_parameters(), **self.experts.full_parameters()}
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
