@@ -10,6 +10,12 @@ USAGE = """threefold train [--config FILE] [--section.key VALUE ...]
   e.g. threefold train --model.preset tiny --parallel.dp 2 --train.steps 20
   threefold train --help-config   lists every key with its default and meaning"""
 
+OTHER_USAGE = """threefold eval --checkpoint DIR [--json] [--data.* / --parallel.* ...]
+threefold generate --checkpoint DIR --prompt TEXT [--temperature T --top-k K --top-p P]
+threefold data prepare --out DIR [--vocab N] [--data.path CORPUS]
+threefold checkpoint {info,export,import-hf,export-hf} ...
+threefold plan ..."""
+
 
 def _train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="threefold train", usage=USAGE, add_help=True)
@@ -45,6 +51,24 @@ def _checkpoint(argv: list[str]) -> int:
     return checkpoint_command(argv)
 
 
+def _data(argv: list[str]) -> int:
+    from threefold.data.prepare import data_command
+
+    return data_command(argv)
+
+
+def _eval(argv: list[str]) -> int:
+    from threefold.inference.evaluate_command import eval_command
+
+    return eval_command(argv)
+
+
+def _generate(argv: list[str]) -> int:
+    from threefold.inference.generate import generate_command
+
+    return generate_command(argv)
+
+
 def _bench(argv: list[str]) -> int:
     """The benchmark suite lives beside the package (bench/run.py), in a source checkout."""
     from pathlib import Path
@@ -58,13 +82,14 @@ def _bench(argv: list[str]) -> int:
     return bench_run.main(argv)
 
 
-COMMANDS = {"train": _train, "memory": _memory, "plan": _plan, "checkpoint": _checkpoint, "bench": _bench}
+COMMANDS = {"train": _train, "memory": _memory, "plan": _plan, "checkpoint": _checkpoint, "bench": _bench,
+            "data": _data, "eval": _eval, "generate": _generate}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: threefold {" + ",".join(COMMANDS) + "} ...\n\n" + USAGE)
+        print("usage: threefold {" + ",".join(COMMANDS) + "} ...\n\n" + USAGE + "\n" + OTHER_USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:

@@ -37,6 +37,7 @@ class ModelConfig:
     norm_eps: float = knob(1e-5, "Epsilon of RMSNorm/LayerNorm")
     rope_theta: float = knob(10000.0, "RoPE base frequency (llama)")
     dropout: float = knob(0.0, "Dropout on attention/MLP outputs (0 keeps layouts bit-comparable)")
+    qkv_bias: bool = knob(False, "Biases on the q/k/v projections of llama (Qwen2-style); gpt2 always has biases")
     tie_embeddings: bool = knob(False, "Share the input embedding with the output head (gpt presets: true)")
     init_std: float = knob(0.02, "Std of the normal init; output projections get std/sqrt(2*layers)")
     num_experts: int = knob(0, "Routed experts per MoE layer (0 = dense MLPs everywhere)")
@@ -101,6 +102,8 @@ class TrainConfig:
     threads: int = knob(1, "Intra-op threads per worker on CPU")
     timeout_s: float = knob(300.0, "Collective timeout: a hung rank fails the job after this long")
     max_restarts: int = knob(0, "Times the elastic agent restarts failed workers")
+    eval_every: int = knob(0, "Validation loss on the held-out tokens every N steps (0 = off; needs data.val_fraction)")
+    eval_sequences: int = knob(64, "Held-out sequences one evaluation reads (0 = every held-out window)")
 
 
 @dataclass
@@ -112,6 +115,9 @@ class DataConfig:
     dtype: str = knob("uint16", "Element type of a .bin file", ("uint16", "uint32"))
     cache_dir: str = knob("", "Token cache directory ('' = $THREEFOLD_CACHE or ~/.cache/threefold)")
     prefetch: int = knob(2, "Batches prepared ahead by the background prefetcher (0 = inline)")
+    tokenizer: str = knob("", "tokenizer.json (tokenizers package) for text corpora and decoding ('' = byte-level)")
+    val_fraction: float = knob(0.0, "Last fraction of the token stream held out for evaluation and never trained "
+                               "on (0 = train on all of it)")
 
 
 @dataclass

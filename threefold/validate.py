@@ -152,6 +152,7 @@ def validate_train(cfg: Config) -> None:
     if t.recompute_layers > cfg.model.layers:
         raise ConfigError("train.recompute_layers", f"{t.recompute_layers} is more than model.layers "
                           f"({cfg.model.layers})", f"valid: 0 (all) to {cfg.model.layers}")
+    _validate_eval(cfg)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError("train.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]")
     _divides("train.global_batch", "train.global_batch", t.global_batch, "parallel.dp", p.dp,
@@ -170,6 +171,17 @@ def validate_train(cfg: Config) -> None:
         raise ConfigError("log.interval", f"must be > 0, got {cfg.log.interval}")
     if cfg.checkpoint.interval < 0:
         raise ConfigError("checkpoint.interval", f"must be >= 0, got {cfg.checkpoint.interval}")
+
+
+def _validate_eval(cfg: Config) -> None:
+    t, d = cfg.train, cfg.data
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise ConfigError("data.val_fraction", f"{d.val_fraction} is outside [0, 1)", "e.g. 0.01")
+    _positive("train.eval_every", t.eval_every, allow_zero=True)
+    _positive("train.eval_sequences", t.eval_sequences, allow_zero=True)
+    if t.eval_every and d.val_fraction == 0:
+        raise ConfigError("train.eval_every", f"{t.eval_every} needs held-out tokens, but data.val_fraction is 0",
+                          "set e.g. --data.val_fraction 0.01")
 
 
 def validate_pipeline(cfg: Config) -> None:

@@ -1,4 +1,4 @@
-"""`threefold checkpoint info DIR` and `threefold checkpoint export DIR OUT`."""
+"""`threefold checkpoint info DIR`, `export DIR OUT`, and `import-hf` / `export-hf` (threefold.interop)."""
 from __future__ import annotations
 
 import argparse
@@ -36,7 +36,8 @@ def _info(args) -> int:
     print(f"checkpoint  {directory}")
     print(f"step        {manifest.step}")
     print(f"layout      tp={lay.get('tp')} pp={lay.get('pp')} dp={lay.get('dp')} ({lay.get('world_size')} ranks)")
-    print(f"model       {manifest.config['model']['preset']} {params:,} parameters")
+    m = manifest.config["model"]
+    print(f"model       {m['arch']} {m['layers']} layers x {m['hidden']} hidden, {params:,} parameters")
     print(f"files       {len(manifest.files)} shard files, {size / 2**20:.1f} MiB, checksums verified")
     return 0
 
@@ -70,5 +71,22 @@ def checkpoint_command(argv: list[str]) -> int:
     export = sub.add_parser("export", help="one consolidated safetensors file of the model weights")
     export.add_argument("path")
     export.add_argument("out")
+    imp = sub.add_parser("import-hf", help="a Hugging Face Llama/Qwen2/GPT-2 directory -> a threefold checkpoint")
+    imp.add_argument("hf_dir")
+    imp.add_argument("out")
+    exp = sub.add_parser("export-hf", help="a threefold checkpoint -> a Hugging Face directory (config + safetensors)")
+    exp.add_argument("path")
+    exp.add_argument("out")
+    exp.add_argument("--max-shard-mb", type=float, default=5000.0, help="split safetensors files above this size")
     args = parser.parse_args(argv)
+    if args.action == "import-hf":
+        from threefold.interop.hf_command import import_hf
+
+        print(f"imported {args.hf_dir} to {import_hf(args.hf_dir, args.out)}")
+        return 0
+    if args.action == "export-hf":
+        from threefold.interop.hf_command import export_hf
+
+        print(f"exported {args.path} to {export_hf(args.path, args.out, args.max_shard_mb)}")
+        return 0
     return _info(args) if args.action == "info" else _export(args)

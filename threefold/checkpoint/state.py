@@ -83,3 +83,22 @@ def _engine_state(engine, names: dict, grid) -> list[LocalTensor]:
         for kind, tensor in piece.tensors.items():
             out.append(LocalTensor(f"{KINDS[kind]}/{name}", tensor, full, tuple(offsets), write))
     return out
+
+
+def model_tensors(chunks: list[nn.Module], aliases: dict[int, str] | None = None) -> list[LocalTensor]:
+    """This rank's parameters as slices of the logical `model/` tensors, for loading weights
+    without an optimizer (evaluation, generation). Nothing is written from these."""
+    names = _logical_names(chunks, aliases or {})
+    out, seen = [], set()
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            name, spec = names[id(p)][:2]
+            full, offsets = tuple(p.shape), [0] * p.dim()
+            if spec is not None:
+                full = tuple(spec.full_shape)
+                offsets[spec.dim] += spec.start
+            out.append(LocalTensor(f"model/{name}", p.data, full, tuple(offsets), False))
+    return out

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from threefold.data.tokenizer import ByteTokenizer
+from threefold.data.tokenizer import ByteTokenizer, open_tokenizer
 from threefold.errors import ConfigError, DataError
 
 DTYPES = ("uint16", "uint32")
@@ -56,23 +56,26 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("THREEFOLD_CACHE") or Path.home() / ".cache" / "threefold")
 
 
-def load_tokens(path: str, vocab: int = 0, dtype: str = "uint16", cache_dir: str = "") -> TokenFile:
+def load_tokens(path: str, vocab: int = 0, dtype: str = "uint16", cache_dir: str = "",
+                tokenizer: str = "") -> TokenFile:
     """Map the corpus at `path` ("" = stdlib sources; a `.bin` file = pre-tokenized ids).
 
-    `vocab` is the model's vocabulary: required for `.bin`, optional for byte-level corpora
-    (0 means 256; a larger value is allowed, e.g. padded for tensor parallelism).
+    `vocab` is the model's vocabulary: required for `.bin` (unless a `tokenizer` file gives it),
+    optional for text corpora (0 means the tokenizer's size, 256 for bytes; a larger value is
+    allowed, e.g. padded for tensor parallelism). Text is tokenized with `tokenizer` (a
+    tokenizer.json) when given, else byte-level.
     """
     if dtype not in DTYPES:
         raise ConfigError("data.dtype", f"unknown token dtype {dtype!r}", "uint16 or uint32")
     if vocab < 0:
         raise ConfigError("data.vocab", f"must be >= 0, got {vocab}", "0 = tokenizer's own")
+    tok = open_tokenizer(tokenizer)
     if path and path.endswith(".bin"):
-        return _load_bin(Path(path), vocab, dtype)
+        return _load_bin(Path(path), vocab or (tok.vocab_size if tokenizer else 0), dtype)
 
-    tok = ByteTokenizer()
     if vocab and vocab < tok.vocab_size:
-        raise ConfigError("data.vocab", f"{vocab} is smaller than the byte tokenizer's "
-                          f"{tok.vocab_size} ids", "0 or >= 256 for a text corpus")
+        raise ConfigError("data.vocab", f"{vocab} is smaller than the tokenizer's "
+                          f"{tok.vocab_size} ids", f"0 or >= {tok.vocab_size} for a text corpus")
     if path:
         root = Path(path)
         if not root.exists():
@@ -90,8 +93,9 @@ def load_tokens(path: str, vocab: int = 0, dtype: str = "uint16", cache_dir: str
         files = [(f.relative_to(root).as_posix(), f) for f in stdlib_source_files()]
         label = f"python stdlib {root}"
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    tokens, meta = _cached_byte_tokens(root, files, tok, cache)
-    source = (f"{label}: {meta['documents']} files, {meta['num_tokens']:,} byte tokens"
+    tokens, meta = _cached_tokens(root, files, tok, cache)
+    kind = "byte" if isinstance(tok, ByteTokenizer) else f"{tok.vocab_size}-id {Path(tok.path).name}"
+    source = (f"{label}: {meta['documents']} files, {meta['num_tokens']:,} {kind} tokens"
               + (f", {meta['skipped']} binary/non-UTF-8 files skipped" if meta["skipped"] else ""))
     return TokenFile(tokens, vocab or tok.vocab_size, source)
 
@@ -133,7 +137,7 @@ def _text_files(root: Path) -> list[tuple[str, Path]]:
     return sorted(out)
 
 
-def _cache_key(root: Path, files: list[tuple[str, Path]], tok: ByteTokenizer) -> str:
+def _cache_key(root: Path, files: list[tuple[str, Path]], tok) -> str:
     # Size + mtime stand in for content: cheap to compute on every start, and any edit
     # (or a different stdlib build) changes the key, so the cache can never go stale.
     h = hashlib.sha1(f"{tok.name}\0{_CACHE_FORMAT}\0{root.resolve()}".encode())
@@ -143,7 +147,12 @@ def _cache_key(root: Path, files: list[tuple[str, Path]], tok: ByteTokenizer) ->
     return h.hexdigest()[:20]
 
 
-def _cached_byte_tokens(root, files, tok, cache: Path) -> tuple[np.memmap, dict]:
+def token_dtype(vocab_size: int) -> str:
+    """The smallest element type that holds every id."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def _cached_tokens(root, files, tok, cache: Path) -> tuple[np.memmap, dict]:
     key = _cache_key(root, files, tok)
     bin_path, meta_path = cache / f"tokens-{key}.bin", cache / f"tokens-{key}.json"
     meta = _read_meta(meta_path, bin_path, key)
@@ -158,7 +167,7 @@ def _cached_byte_tokens(root, files, tok, cache: Path) -> tuple[np.memmap, dict]
     if meta["num_tokens"] == 0:
         raise DataError(f"{root}: no UTF-8 text found ({meta['skipped']} binary or "
                         "non-UTF-8 files skipped; data.path needs text files)")
-    return np.memmap(bin_path, dtype=np.uint16, mode="r"), meta
+    return np.memmap(bin_path, dtype=meta["dtype"], mode="r"), meta
 
 
 def _read_meta(meta_path: Path, bin_path: Path, key: str) -> dict | None:
@@ -166,37 +175,73 @@ def _read_meta(meta_path: Path, bin_path: Path, key: str) -> dict | None:
     so its presence (with a matching size) means the token file is whole."""
     try:
         meta = json.loads(meta_path.read_text())
-        ok = meta["key"] == key and bin_path.stat().st_size == 2 * meta["num_tokens"]
+        size = np.dtype(meta["dtype"]).itemsize * meta["num_tokens"]
+        ok = meta["key"] == key and bin_path.stat().st_size == size
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return meta if ok else None
 
 
-def _build_cache(files, tok: ByteTokenizer, bin_path: Path, key: str) -> dict:
-    sep = np.array([tok.separator], dtype=np.uint16)
-    num_tokens = documents = skipped = 0
+def _build_cache(files, tok, bin_path: Path, key: str) -> dict:
+    meta = write_token_file(files, tok, bin_path)
+    return {"key": key, "format": _CACHE_FORMAT, **meta}
+
+
+def _documents(files, skipped: list):
+    """Text of each usable file, in order; binary and non-UTF-8 files are counted in `skipped`."""
+    for rel, f in files:
+        try:
+            data = f.read_bytes()
+        except OSError as e:
+            raise DataError(f"{f}: cannot read corpus file ({e.strerror})")
+        # NUL is the byte-level document separator, so a file containing it is binary to us.
+        if b"\0" in data or not _is_utf8(data):
+            skipped.append(rel)
+            continue
+        yield data
+
+
+def read_texts(files) -> list[str]:
+    """Every usable document of `files` as text (for training a tokenizer)."""
+    return [data.decode("utf-8") for data in _documents(files, [])]
+
+
+def write_token_file(files, tok, bin_path: Path, batch: int = 64) -> dict:
+    """Tokenize `files` into one flat stream at `bin_path` (documents joined by the tokenizer's
+    separator, if it has one); returns what the cache sidecar records about it."""
+    dtype = token_dtype(tok.vocab_size)
+    num_tokens = documents = 0
+    skipped: list = []
+
+    def encode(texts: list[bytes]) -> list:
+        if isinstance(tok, ByteTokenizer):
+            return [np.frombuffer(data, dtype=np.uint8) for data in texts]
+        # Batches go through the Rust tokenizer's own thread pool.
+        return [np.asarray(ids) for ids in tok.encode_batch([d.decode("utf-8") for d in texts])]
 
     def write(fh):
-        nonlocal num_tokens, documents, skipped
-        for rel, f in files:
-            try:
-                data = f.read_bytes()
-            except OSError as e:
-                raise DataError(f"{f}: cannot read corpus file ({e.strerror})")
-            # NUL is our document separator, so a file containing it is binary to us.
-            if b"\0" in data or not _is_utf8(data):
-                skipped += 1
-                continue
-            if documents:
-                fh.write(sep.tobytes())
-                num_tokens += 1
-            fh.write(np.frombuffer(data, dtype=np.uint8).astype(np.uint16).tobytes())
-            num_tokens += len(data)
-            documents += 1
+        pending: list[bytes] = []
+
+        def flush():
+            nonlocal num_tokens, documents
+            for ids in encode(pending):
+                if documents and tok.separator is not None:
+                    fh.write(np.array([tok.separator], dtype=dtype).tobytes())
+                    num_tokens += 1
+                fh.write(ids.astype(dtype).tobytes())
+                num_tokens += len(ids)
+                documents += 1
+            pending.clear()
+
+        for data in _documents(files, skipped):
+            pending.append(data)
+            if len(pending) >= batch:
+                flush()
+        flush()
 
     _atomic_write(bin_path, write)
-    return {"key": key, "format": _CACHE_FORMAT, "tokenizer": tok.name, "dtype": "uint16",
-            "num_tokens": num_tokens, "documents": documents, "skipped": skipped}
+    return {"tokenizer": tok.name, "dtype": dtype, "num_tokens": num_tokens, "documents": documents,
+            "skipped": len(skipped)}
 
 
 def _is_utf8(data: bytes) -> bool:

@@ -79,11 +79,12 @@ class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         hd, bias = cfg.head_dim, cfg.arch == "gpt2"
+        qkv_bias = bias or cfg.qkv_bias
         self.head_dim, self.rope_theta = hd, cfg.rope_theta
         self.use_rope = cfg.arch == "llama"
-        self.wq = Linear(cfg.hidden, cfg.heads * hd, bias=bias)
-        self.wk = Linear(cfg.hidden, cfg.kv_heads * hd, bias=bias)
-        self.wv = Linear(cfg.hidden, cfg.kv_heads * hd, bias=bias)
+        self.wq = Linear(cfg.hidden, cfg.heads * hd, bias=qkv_bias)
+        self.wk = Linear(cfg.hidden, cfg.kv_heads * hd, bias=qkv_bias)
+        self.wv = Linear(cfg.hidden, cfg.kv_heads * hd, bias=qkv_bias)
         self.core = AttentionCore()
         self.wo = Linear(cfg.heads * hd, cfg.hidden, bias=bias)
 

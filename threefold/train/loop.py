@@ -11,6 +11,8 @@ from torch import nn
 
 from threefold.checkpoint import find_resumable, load_into, open_checkpoint, save, training_state
 from threefold.data import GlobalBatchSampler, Prefetcher, load_tokens
+from threefold.data.split import training_part
+from threefold.data.tokenizer import check_vocab, open_tokenizer
 from threefold.distributed.comm import all_reduce_max, all_reduce_sum
 from threefold.distributed.data_parallel import MixedPrecision, build_data_parallel
 from threefold.distributed.data_parallel.state import refresh_params
@@ -20,6 +22,7 @@ from threefold.distributed.pipeline import bubble_theory
 from threefold.distributed.pipeline.stage import build_stage, tied_head_weights
 from threefold.distributed.tensor_parallel import partial_grad_params
 from threefold.errors import DataError
+from threefold.inference.evaluate import HeldOut
 from threefold.observe import (MetricsWriter, device_peak_flops, mfu, peak_memory_bytes, train_flops_per_token,
                                write_run_json)
 from threefold.train.expert_load import ExpertLoad
@@ -40,10 +43,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def open_data(cfg):
     """Token stream + sampler; refuses a corpus whose ids do not fit the model's vocabulary."""
     d, m = cfg.data, cfg.model
-    tokens = load_tokens(d.path, d.vocab, d.dtype, d.cache_dir)
+    tokens = load_tokens(d.path, d.vocab, d.dtype, d.cache_dir, d.tokenizer)
     if tokens.vocab_size > m.vocab:
         raise DataError(f"{tokens.source}: token ids go up to vocab {tokens.vocab_size} but model.vocab is "
                         f"{m.vocab} (set --model.vocab {tokens.vocab_size} or larger)")
+    if d.tokenizer:
+        check_vocab(open_tokenizer(d.tokenizer), m.vocab, f"data.tokenizer {d.tokenizer}")
+    tokens = training_part(tokens, d.val_fraction)  # the held-out tail is never sampled
     sampler = GlobalBatchSampler(len(tokens.tokens), m.seq_len, cfg.train.global_batch, cfg.train.seed)
     return tokens, sampler
 
@@ -105,6 +111,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
                        extra={"data": tokens.source, "peak_flops_per_device": peak, "dtype": str(dtype),
                               "train_flops_per_token": flops_per_step / tokens_per_step})
     status = StatusLine(t.steps, cfg.log.interval, enabled=is_logger and not cfg.log.quiet)
+    heldout = HeldOut(cfg) if t.eval_every else None
 
     def produce(step: int):
         return sampler.microbatches(tokens.tokens, step, grid.dp_rank, grid.layout.dp, t.micro_batch)
@@ -154,6 +161,8 @@ def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
                 "step_skipped": not applied,
             }
             last.update(expert_load.collect(grid.world))
+            if heldout is not None and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+                last["val_loss"] = heldout.evaluate(chunks, grid, cfg)["loss"]
             metrics.write(last)
             if last.get("moe_hot_experts") and is_logger and (step + 1) % cfg.log.interval == 0:
                 log(f"threefold: step {step + 1}: experts above 2x their layer's mean load: "

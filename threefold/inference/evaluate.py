@@ -1,0 +1,72 @@
+"""Validation loss and perplexity on held-out windows, in any layout.
+
+Data-parallel rank r takes windows r, r+dp, ...; its pipeline and tensor-parallel peers take
+the same ones. Every dp rank runs the same number of micro-batches (a rank with fewer windows
+repeats one and discards its loss), because ZeRO-3 gathers parameters collectively over dp in
+each forward. The summed loss leaves the last stage's first TP rank (the vocab-parallel loss is
+already whole on every TP rank) and is summed over the world in fp64, so the result depends
+on the layout only through summation order.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from threefold.data import load_tokens
+from threefold.data.split import heldout_starts
+from threefold.distributed.comm import all_reduce_sum
+from threefold.distributed.grid import Grid
+from threefold.inference.forward import pipeline_forward
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = torch.from_numpy(np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int64))
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def evaluate(chunks: list[nn.Module], grid: Grid, cfg, tokens: np.ndarray, starts: np.ndarray) -> dict:
+    """{"loss", "perplexity", "tokens"} of the windows at `starts` (seq_len + 1 tokens each)."""
+    seq, mb, dp = cfg.model.seq_len, cfg.train.micro_batch, grid.layout.dp
+    mine = starts[grid.dp_rank::dp]
+    rounds = math.ceil(math.ceil(len(starts) / dp) / mb)
+    was_training = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+    total = 0.0
+    try:
+        for i in range(rounds):
+            batch = mine[i * mb:(i + 1) * mb]
+            real = len(batch) > 0
+            if not real:  # keep in step with the other dp ranks (ZeRO-3 gathers); loss discarded
+                batch = starts[:1]
+            x, y = _windows(tokens, batch, seq)
+            out = pipeline_forward(chunks, grid, x, y, cfg.model.hidden, cfg.parallel.sp)
+            if out is not None and real:
+                total += float(out.double())
+    finally:
+        for c, mode in zip(chunks, was_training):
+            c.train(mode)
+    owner = grid.is_last_stage and grid.tp_rank == 0
+    device = next(chunks[0].parameters()).device
+    summed = all_reduce_sum(torch.tensor([total if owner else 0.0], dtype=torch.float64, device=device), grid.world)
+    n = len(starts) * seq
+    loss = float(summed[0]) / n
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": n}
+
+
+class HeldOut:
+    """The evaluation windows of a run: the last data.val_fraction of its token stream."""
+
+    def __init__(self, cfg):
+        d = cfg.data
+        stream = load_tokens(d.path, d.vocab, d.dtype, d.cache_dir, d.tokenizer)
+        self.tokens = stream.tokens
+        self.source = stream.source
+        self.vocab_size = stream.vocab_size
+        self.starts = heldout_starts(len(stream.tokens), cfg.model.seq_len, d.val_fraction, cfg.train.eval_sequences)
+
+    def evaluate(self, chunks: list[nn.Module], grid: Grid, cfg) -> dict:
+        return evaluate(chunks, grid, cfg, self.tokens, self.starts)

@@ -1,0 +1,1 @@
+"""Interoperability with other ecosystems: the Hugging Face checkpoint layout."""
