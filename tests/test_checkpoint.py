@@ -63,6 +63,14 @@ def test_one_process_loads_a_four_rank_checkpoint(saved_layouts, straight, tmp_p
     assert max_loss_delta(straight[5:], resumed) < 1e-5
 
 
+def test_init_from_takes_the_weights_and_starts_a_fresh_run(saved_layouts, straight, tmp_path, cache_dir):
+    run = run_training({**BASE, "train.steps": 2, "checkpoint.init_from": saved_layouts["tp2-pp2"]}, tmp_path,
+                       cache_dir)
+    assert [r["step"] for r in run] == [1, 2]  # step, LR warm-up and data order start anew
+    assert run[0]["loss"] < straight[0]["loss"] - 0.3  # but from the trained weights
+    assert run[0]["lr"] == straight[0]["lr"]
+
+
 def test_crash_during_save_leaves_previous_checkpoint(saved_layouts, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved_layouts["dp4"], ckpt)

@@ -128,6 +128,8 @@ class CheckpointConfig:
     interval: int = knob(0, "Save every N steps (0 = only at the end when dir is set)")
     resume: str = knob("", "'' = start fresh, 'auto' = newest verified checkpoint in dir (if any), or a path")
     keep: int = knob(3, "Keep the newest N checkpoints (0 = all); the newest verified one is never deleted")
+    init_from: str = knob("", "Checkpoint whose model weights start a fresh run (e.g. from import-hf): optimizer, "
+                          "step and data start anew; unused when resume finds a checkpoint")
 
 
 @dataclass

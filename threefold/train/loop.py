@@ -75,6 +75,15 @@ def resume(cfg, state, engine, log) -> int:
     return manifest.step
 
 
+def initialize_from(cfg, state, engine, log) -> None:
+    """Fine-tuning start: only the model weights of `checkpoint.init_from` (any layout, any
+    dtype), into this rank's fp32 masters; Adam moments stay zero and the step count 0."""
+    directory, manifest = open_checkpoint(cfg.checkpoint.init_from)
+    load_into([t for t in state if t.name.startswith("model/")], directory, manifest)
+    refresh_params(engine, 0)
+    log(f"threefold: model weights from {directory} (step {manifest.step}); training starts at step 0")
+
+
 def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
     """Run cfg.train.steps steps; returns the last step's metrics. `probe` (threefold memory's
     MemoryProbe) watches the activations of each step's schedule and measures the model state
@@ -105,6 +114,8 @@ def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
     p = cfg.parallel
     bubble = bubble_theory(p.schedule, p.pp, p.microbatches, p.vpp) if p.pp > 1 else 0.0
     start_step = resume(cfg, state, engine, log if is_logger else _quiet)
+    if start_step == 0 and cfg.checkpoint.init_from:
+        initialize_from(cfg, state, engine, log if is_logger else _quiet)
     metrics = MetricsWriter(cfg.log.dir, enabled=is_logger, append=start_step > 0)
     if is_logger:
         write_run_json(cfg.log.dir, cfg.to_dict(), grid.describe(), device=device,
