@@ -39,7 +39,13 @@ def _checkpoint(argv: list[str]) -> int:
     return checkpoint_command(argv)
 
 
-COMMANDS = {"train": _train, "plan": _plan, "checkpoint": _checkpoint}
+def _report(argv: list[str]) -> int:
+    from threefold.observe.report_command import report_command
+
+    return report_command(argv)
+
+
+COMMANDS = {"train": _train, "plan": _plan, "checkpoint": _checkpoint, "report": _report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,6 +88,7 @@ class ShardedParams:
         full, bucket = self.full[b], self.layout.buckets[b]
         full.untyped_storage().resize_(bucket.numel * full.element_size())
         shard = self.shard[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]
+        self.group.stats.record("all_gather", bucket.numel * full.element_size())
         self.state[b] = dist.all_gather_single(full, shard, group=self.group.pg, async_op=True)
 
     def prefetch(self, b: int | None) -> None:
