@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from harness import run_training, run_training_many
+from harness import run_ranks, run_training
 
 from threefold.cli import main
 from threefold.distributed.grid import RankLayout
@@ -74,19 +75,73 @@ def test_report_of_one_run_writes_text_plots_and_page(run3d, capsys):
     assert (path / "report" / "report.html").read_text().count("data:image/png;base64") == 3
 
 
-def test_compare_names_the_bubble_change_between_1f1b_and_interleaved(tmp_path, cache_dir):
-    # Two micro-batches on two stages: the bubble is a third of the step (a fifth interleaved), and
-    # eight layers keep the stages' compute above the transfers' cost on gloo.
-    pipe = {**BASE, "train.steps": 4, "model.layers": 8, "parallel.pp": 2, "parallel.microbatches": 2,
-            "train.global_batch": 8}
-    run_training_many({"onefoneb": {**pipe, "parallel.schedule": "1f1b"},
-                       "interleaved": {**pipe, "parallel.schedule": "interleaved", "parallel.vpp": 2}},
-                      tmp_path, cache_dir, world=2)
+def sleep_pipeline_runs(root: str, runs: dict, m: int, forward_s: float, steps: int) -> None:
+    """In each of 2 ranks: run the real executor and observer over SleepStage chunks (fixed stage
+    costs that use no CPU core, so the bubble is the schedule's and not the machine's load) and
+    write a run directory per schedule, as the training loop does."""
+    import time
+
+    import torch
+
+    from threefold.distributed.comm import all_reduce_max
+    from threefold.distributed.grid import Grid, RankLayout
+    from threefold.distributed.pipeline import bubble_theory
+    from threefold.distributed.pipeline.executor import PipelineExecutor, StagePlan
+    from threefold.distributed.pipeline.p2p import WireFormat
+    from threefold.distributed.pipeline.synthetic import SleepStage
+    from threefold.distributed.runtime import init_distributed, shutdown_distributed
+    from threefold.observe import MetricsWriter, write_run_json
+    from threefold.observe.observer import StepObserver
+
+    cpu = torch.device("cpu")
+    init_distributed(cpu, timeout_s=120)
+    p = 2
+    grid = Grid.build(RankLayout(pp=p))
+    r, logger = grid.pp_rank, grid.global_rank == 0
+    for name, (schedule, v) in runs.items():
+        log = SimpleNamespace(spans=True, trace_steps="", dir=str(Path(root) / name))
+        last = [c * p + r == p * v - 1 for c in range(v)]
+        chunks = [SleepStage(forward_s / v, last=last[c]) for c in range(v)]
+        plan = StagePlan(chunks, [c * p + r == 0 for c in range(v)], last, WireFormat((4, 4), torch.float32, cpu),
+                         grid.pp)
+        executor = PipelineExecutor(plan, build_schedule(schedule, p, m, v)[r])
+        observer = StepObserver(log, grid, cpu, logger)
+        metrics = MetricsWriter(log.dir, enabled=logger, append=False)
+        if logger:
+            config = {"parallel": {"tp": 1, "pp": p, "dp": 1, "schedule": schedule, "vpp": v, "microbatches": m}}
+            write_run_json(log.dir, config, grid.describe())
+        micro = [(torch.ones(4, 4), torch.zeros(4, 4)) for _ in range(m)]
+        for step in range(steps):
+            observer.begin_step(step)
+            t0 = time.perf_counter()
+            loss, _ = executor.run(micro, 1.0, spans=observer.recorder)
+            observer.phase("sync")
+            all_reduce_max(loss.reshape(1), grid.pp)
+            step_time = time.perf_counter() - t0
+            observer.phase("other")
+            record = {"step": step + 1, "loss": float(loss), "step_time_s": step_time,
+                      "tokens_per_s": m / step_time, "mfu": None, "pp_bubble_theory": bubble_theory(schedule, p, m, v)}
+            record.update(observer.end_step())
+            metrics.write(record)
+        metrics.close()
+        observer.close()
+    shutdown_distributed()
+
+
+def test_compare_names_the_bubble_change_between_1f1b_and_interleaved(tmp_path, capsys):
+    # Two micro-batches on two stages: the bubble is a third of the step under 1F1B, a fifth
+    # interleaved.
+    run_ranks(sleep_pipeline_runs, 2, str(tmp_path), {"onefoneb": ("1f1b", 1), "interleaved": ("interleaved", 2)},
+              2, 0.03, 4, timeout=120)
     a, b = load_run(tmp_path / "onefoneb"), load_run(tmp_path / "interleaved")
-    text, found = compare(summarize(a), summarize(b), a.config, b.config)
-    assert found["biggest_waiting"][0] == "pp_bubble" and found["biggest_waiting"][1] < 0, text
-    assert "(theory 33.3%) -> B" in text and "(theory 20.0%)" in text
-    assert "parallel.schedule: '1f1b' -> 'interleaved'" in text and "parallel.vpp: 1 -> 2" in text
+    sa, sb = summarize(a), summarize(b)
+    assert sa["bubble_measured"] == pytest.approx(1 / 3, abs=0.08) and sb["bubble_measured"] == pytest.approx(0.2, abs=0.08)
+    text, found = compare(sa, sb, a.config, b.config)
+    assert found["biggest"][0] == "pp_bubble" and found["biggest"][1] < 0, text
+    assert main(["report", str(tmp_path / "onefoneb"), str(tmp_path / "interleaved")]) == 0
+    out = capsys.readouterr().out
+    assert "biggest change: pp_bubble 3" in out and "(theory 33.3%) -> B" in out and "(theory 20.0%)" in out
+    assert "parallel.schedule: '1f1b' -> 'interleaved'" in out and "parallel.vpp: 1 -> 2" in out
 
 
 def test_compare_names_the_dp_communication_change(tmp_path, cache_dir, capsys):

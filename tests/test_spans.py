@@ -113,9 +113,11 @@ def test_trace_events_pass_the_schema_check_and_broken_ones_fail():
 
 
 def test_biggest_change_and_config_diff():
-    a = dict.fromkeys(CATEGORIES, 0.0) | {"forward": 1.0, "pp_bubble": 0.5}
-    b = dict.fromkeys(CATEGORIES, 0.0) | {"forward": 1.1, "pp_bubble": 0.2}
-    assert biggest_change(a, b) == ("pp_bubble", pytest.approx(-0.3))
+    a = dict.fromkeys(CATEGORIES, 0.0) | {"forward": 1.0, "pp_bubble": 0.5, "pp_p2p": 0.5}  # shares .5 .25 .25
+    b = dict.fromkeys(CATEGORIES, 0.0) | {"forward": 2.0, "pp_bubble": 0.4, "pp_p2p": 1.4}  # .526 .105 .368
+    assert biggest_change(a, b) == ("pp_bubble", pytest.approx(0.4 / 3.8 - 0.25))  # p2p: more ms, less share
+    slower = {c: 3 * v for c, v in a.items()}  # the same run on a busier machine: no share changes
+    assert biggest_change(a, slower)[1] == pytest.approx(0.0)
     diff = config_diff({"parallel": {"pp": 2, "schedule": "1f1b"}, "log": {"dir": "a"}},
                        {"parallel": {"pp": 2, "schedule": "interleaved"}, "log": {"dir": "b"}})
     assert diff == [("parallel.schedule", "1f1b", "interleaved")]

@@ -1,6 +1,7 @@
 """Run over run: two runs' breakdowns side by side, the biggest change, and what differs in their
-configs. Changes are in seconds per step (mean over ranks, steady steps), so a category that
-grew is a category that now costs more wall time.
+configs. Categories are compared by their share of the step (mean over ranks, steady steps),
+in percentage points: a run that is slower across the board (another job on the machine)
+does not make every category look changed; the ms per step are printed next to it.
 """
 from __future__ import annotations
 
@@ -39,17 +40,27 @@ def family(category: str) -> str:
     return "host"
 
 
+def shares(breakdown: dict) -> dict:
+    """Each category's fraction of the step (the categories partition it)."""
+    total = sum(breakdown.values())
+    return {c: v / total for c, v in breakdown.items()} if total > 0 else dict.fromkeys(breakdown, 0.0)
+
+
 def biggest_change(ba: dict, bb: dict, among=CATEGORIES) -> tuple[str, float] | None:
-    changes = {c: bb.get(c, 0.0) - ba.get(c, 0.0) for c in among}
+    """(category, change of its share of the step) with the largest change, among `among`."""
+    sa, sb = shares(ba), shares(bb)
+    changes = {c: sb.get(c, 0.0) - sa.get(c, 0.0) for c in among}
     if not changes:
         return None
     c = max(changes, key=lambda k: abs(changes[k]))
     return c, changes[c]
 
 
-def _change_text(category: str, delta: float, before: float) -> str:
-    rel = f", {delta / before:+.0%}" if before > 0 else ""
-    return f"{category} {'+' if delta >= 0 else '-'}{_ms(abs(delta))} per step{rel} ({family(category)})"
+def _change_text(category: str, delta: float, ba: dict, bb: dict) -> str:
+    sa, sb = shares(ba), shares(bb)
+    return (f"{category} {100 * sa[category]:.1f}% -> {100 * sb[category]:.1f}% of the step "
+            f"({100 * delta:+.1f} points; {_ms(ba[category])} -> {_ms(bb[category])} per step), "
+            f"{family(category)}")
 
 
 def compare(a: dict, b: dict, config_a: dict, config_b: dict) -> tuple[str, dict]:
@@ -69,16 +80,18 @@ def compare(a: dict, b: dict, config_a: dict, config_b: dict) -> tuple[str, dict
     ba, bb = a["breakdown"], b["breakdown"]
     found = {}
     if ba and bb:
-        lines.append("time per step by category (mean over ranks):")
+        lines.append("time per step by category (mean over ranks), and share of the step:")
+        sa, sb = shares(ba), shares(bb)
         for c in CATEGORIES:
             if ba[c] or bb[c]:
                 row(f"  {c}", ba[c], bb[c], _ms)
+                lines[-1] += f"   {100 * sa[c]:5.1f}% -> {100 * sb[c]:5.1f}%"
         big = biggest_change(ba, bb)
         waiting = biggest_change(ba, bb, WAITING)
         found = {"biggest": big, "biggest_waiting": waiting}
         lines.append("")
-        lines.append("biggest change: " + _change_text(big[0], big[1], ba[big[0]]))
-        lines.append("biggest communication/idle change: " + _change_text(waiting[0], waiting[1], ba[waiting[0]]))
+        lines.append("biggest change: " + _change_text(big[0], big[1], ba, bb))
+        lines.append("biggest communication/idle change: " + _change_text(waiting[0], waiting[1], ba, bb))
     else:
         missing = [s["name"] for s in (a, b) if not s["breakdown"]]
         lines.append(f"no time breakdown for {', '.join(missing)} (run with --log.spans true)")

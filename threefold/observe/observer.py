@@ -64,13 +64,13 @@ class StepObserver:
 
     def attach(self, chunks) -> None:
         """Time activation recomputation and the tensor-parallel collectives of these chunks."""
+        self.grid.tp.spans = self.recorder  # None detaches a recorder a previous run left on the grid
         if self.recorder is None:
             return
         for chunk in chunks:
             for module in chunk.modules():
                 if getattr(module, "recomputed", False):
                     module.spans = self.recorder
-        self.grid.tp.spans = self.recorder
 
     def span(self, category: str, label=None):
         return _UNTIMED if self.recorder is None else self.recorder.span(category, label)

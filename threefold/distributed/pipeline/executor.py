@@ -12,7 +12,10 @@ pipeline bubble plus any transfer time not hidden behind compute.
 
 With a span recorder (threefold.observe.spans) passed to run(), every action is timed on it:
 F/B/W as forward/backward/weight_grad (labelled with the action), receive waits as pp_bubble,
-posting a batch and finishing the sends as pp_p2p.
+posting a batch and finishing the sends as pp_p2p. The step then ends with a pipeline flush (a
+one-element all-reduce over the pipeline group), also timed as pp_bubble: the cool-down idle of
+the ranks that finish their schedule first, which would otherwise show up in whatever
+collective over the pipeline group came next (the gradient norm's).
 """
 from __future__ import annotations
 
@@ -112,6 +115,9 @@ class PipelineExecutor:
             for work in pending_sends:
                 work.wait()
         stats.wall_s = time.perf_counter() - start
+        if spans is not None and plan.group.size > 1:  # after wall_s: PipelineStats stay as without spans
+            with span("pp_bubble", "pipeline flush"):
+                dist.all_reduce(torch.zeros(1, device=device), group=plan.group.pg)
         if inputs or outputs or grads_from_next or grads_to_prev or (self.store and self.store.pending):
             raise RuntimeError("pipeline schedule left work unfinished: a schedule bug")
         return loss_sum, stats
