@@ -145,11 +145,14 @@ def test_compare_names_the_bubble_change_between_1f1b_and_interleaved(tmp_path, 
 
 
 def test_compare_names_the_dp_communication_change(tmp_path, cache_dir, capsys):
-    # Same work per rank (two micro-batches of 4): the dp2 run adds the gradient all-reduce.
-    one = run_training({**BASE, "train.global_batch": 8}, tmp_path / "dp1", cache_dir)
-    two = run_training({**BASE, "train.global_batch": 16, "parallel.dp": 2}, tmp_path / "dp2", cache_dir)
+    # Same work per rank (two micro-batches of 4): the dp2 run adds the gradient all-reduce. One
+    # bucket makes it start when backward ends, so it is exposed rather than competing with
+    # backward for the CPU; a wider model makes it large against the noise of a busy machine.
+    wide = {**BASE, "model.hidden": 256, "model.ffn_hidden": 704, "parallel.bucket_mb": 1000}
+    one = run_training({**wide, "train.global_batch": 8}, tmp_path / "dp1", cache_dir)
+    two = run_training({**wide, "train.global_batch": 16, "parallel.dp": 2}, tmp_path / "dp2", cache_dir)
     assert len(one) == len(two) == STEPS
     assert main(["report", str(tmp_path / "dp1"), str(tmp_path / "dp2")]) == 0
     text = capsys.readouterr().out
-    assert "biggest communication/idle change: dp_exposed +" in text, text
-    assert "dp 0 B -> " in text and "parallel.dp: 1 -> 2" in text
+    assert "biggest communication/idle change: dp_exposed 0.0% -> " in text, text
+    assert "biggest byte change: dp group +" in text and "dp 0 B -> " in text and "parallel.dp: 1 -> 2" in text

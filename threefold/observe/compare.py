@@ -71,7 +71,8 @@ def compare(a: dict, b: dict, config_a: dict, config_b: dict) -> tuple[str, dict
     def row(label, va, vb, fmt):
         change = ""
         if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va:
-            change = f"{(vb - va) / va:+.1%}"
+            rel = (vb - va) / va
+            change = f"{rel:+.1%}" if rel < 10 else f"x{vb / va:,.0f}"
         lines.append(f"{label:<22}{fmt(va):>14}{fmt(vb):>14}{change:>12}")
 
     row("step time", a["step_time_s"], b["step_time_s"], _ms)
@@ -103,6 +104,12 @@ def compare(a: dict, b: dict, config_a: dict, config_b: dict) -> tuple[str, dict
     if groups:
         lines.append("bytes per step per rank: " + ", ".join(
             f"{g} {_bytes(a['comm_bytes'].get(g) or 0)} -> {_bytes(b['comm_bytes'].get(g) or 0)}" for g in groups))
+        g = max(groups, key=lambda k: abs((b["comm_bytes"].get(k) or 0) - (a["comm_bytes"].get(k) or 0)))
+        delta = (b["comm_bytes"].get(g) or 0) - (a["comm_bytes"].get(g) or 0)
+        if delta:
+            found["biggest_bytes"] = (g, delta)
+            lines.append(f"biggest byte change: {g} group {'+' if delta > 0 else '-'}{_bytes(abs(delta))} "
+                         "per step per rank")
     diff = config_diff(config_a, config_b)
     lines.append("")
     if diff:
