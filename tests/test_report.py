@@ -135,7 +135,8 @@ def test_compare_names_the_bubble_change_between_1f1b_and_interleaved(tmp_path, 
               2, 0.03, 4, timeout=120)
     a, b = load_run(tmp_path / "onefoneb"), load_run(tmp_path / "interleaved")
     sa, sb = summarize(a), summarize(b)
-    assert sa["bubble_measured"] == pytest.approx(1 / 3, abs=0.08) and sb["bubble_measured"] == pytest.approx(0.2, abs=0.08)
+    assert sa["bubble_measured"] == pytest.approx(1 / 3, abs=0.08)
+    assert sb["bubble_measured"] == pytest.approx(0.2, abs=0.08)
     text, found = compare(sa, sb, a.config, b.config)
     assert found["biggest"][0] == "pp_bubble" and found["biggest"][1] < 0, text
     assert main(["report", str(tmp_path / "onefoneb"), str(tmp_path / "interleaved")]) == 0

@@ -1,7 +1,7 @@
 """Per-step observation for the training loop: spans on every rank, gathered once per step.
 
     observer = StepObserver(cfg.log, grid, device, is_logger)
-    observer.attach(chunks)                     # recompute reruns and TP collectives get timed
+    observer.attach(chunks, engine)             # recompute reruns, TP collectives, ZeRO-3 gathers get timed
     observer.begin_step(step)
     observer.phase("data_wait"); ...            # time from here counts as data_wait
     executor.run(..., spans=observer.recorder)  # F/B/W and pipeline p2p
@@ -62,11 +62,14 @@ class StepObserver:
         self._trace = None
         self._coords = [grid.layout.coords(r) for r in range(grid.layout.world_size)]
 
-    def attach(self, chunks) -> None:
-        """Time activation recomputation and the tensor-parallel collectives of these chunks."""
+    def attach(self, chunks, engine=None) -> None:
+        """Time activation recomputation and the tensor-parallel collectives of these chunks, and
+        ZeRO-3's parameter gathers (their exposed wait) when `engine` shards parameters."""
         self.grid.tp.spans = self.recorder  # None detaches a recorder a previous run left on the grid
         if self.recorder is None:
             return
+        if getattr(engine, "zero", 0) == 3:
+            engine.store.spans = self.recorder
         for chunk in chunks:
             for module in chunk.modules():
                 if getattr(module, "recomputed", False):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import html
+import importlib.util
 from pathlib import Path
 
 from threefold.observe.rundir import Run
@@ -25,11 +26,7 @@ COLORS = {
 
 
 def have_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def _pyplot():
@@ -77,11 +74,13 @@ def timeline_plot(run: Run, path: Path) -> Path | None:
                 if cat in ("forward", "backward", "weight_grad") and dur > 0:
                     ax.text(start + dur / 2, y, name.split("c")[0], ha="center", va="center", fontsize=6,
                             color="white", clip_on=True)
+    names = {e["pid"]: e["args"]["name"] for e in run.trace.get("traceEvents", [])
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
     ax.set_yticks(range(len(ranks)))
-    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.set_yticklabels([names.get(r, f"rank {r}") for r in ranks], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("ms from the start of the step")
-    ax.set_title(f"{run.name}: step {step}, per rank (F/B/W compute; pale = waiting on a pipeline receive)")
+    ax.set_title(f"{run.name}: step {step} per rank (F/B/W by micro-batch; pale = pipeline bubble)")
     used = {e[0] for r in rows.values() for e in r}
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[c]) for c in CATEGORIES if c in used]
     ax.legend(handles, [c for c in CATEGORIES if c in used], loc="center left", bbox_to_anchor=(1.0, 0.5),

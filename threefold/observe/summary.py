@@ -106,7 +106,7 @@ def summarize(run: Run) -> dict:
         "breakdown": breakdown(steady), "wall_s": _mean([r.get("span_step_s", {}).get("mean") for r in steady]),
         "bubble_theory": run.metrics[-1].get("pp_bubble_theory") if p.get("pp", 1) > 1 else None,
         "comm_bytes": {}, "dp_comm_serial_s": _mean([r.get("dp_comm_serial_s") for r in run.metrics]),
-        "per_rank": per_rank(run), "notes": list(run.notes),
+        "per_rank": per_rank(run), "notes": list(run.notes), "zero": p.get("zero", 0) if p.get("dp", 1) > 1 else 0,
     }
     ratio = hfu_ratio(cfg)
     out["hfu"] = out["mfu"] * ratio if out["mfu"] is not None and ratio is not None else None
@@ -170,7 +170,10 @@ def format_summary(s: dict) -> str:
         lines.append(f"  exposed communication: {_ms(exposed)} ({_pct(exposed / wall if wall else None)}): "
                      f"tp {_ms(b['tp_comm'])}, pp {_ms(b['pp_p2p'])}, dp {_ms(b['dp_exposed'])}, "
                      f"ep {_ms(b['ep_a2a'])}")
-        if s["dp_comm_serial_s"]:
+        if s["dp_comm_serial_s"] and s["zero"] == 3:
+            lines.append(f"  dp gradient reduction: {_ms(s['dp_comm_serial_s'])} if run blocking "
+                         f"(dp_exposed also holds ZeRO-3's parameter-gather waits)")
+        elif s["dp_comm_serial_s"]:
             hidden = 1 - b["dp_exposed"] / s["dp_comm_serial_s"]
             lines.append(f"  dp gradient communication: {_ms(s['dp_comm_serial_s'])} if run blocking, "
                          f"{_ms(b['dp_exposed'])} exposed ({_pct(max(0.0, hidden))} hidden; exposed includes "

@@ -97,7 +97,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
     start_step = resume(cfg, state, engine, log if is_logger else _quiet)
     metrics = MetricsWriter(cfg.log.dir, enabled=is_logger, append=start_step > 0, tensorboard=cfg.log.tensorboard)
     observer = StepObserver(cfg.log, grid, device, is_logger)  # log.spans: where each rank's step time went
-    observer.attach(chunks)
+    observer.attach(chunks, engine)
     phase = observer.phase  # from here on, until the next phase(), the step's time counts as this category
     if is_logger:
         write_run_json(cfg.log.dir, cfg.to_dict(), grid.describe(), device=device,
