@@ -82,8 +82,14 @@ def _bench(argv: list[str]) -> int:
     return bench_run.main(argv)
 
 
+def _report(argv: list[str]) -> int:
+    from threefold.observe.report_command import report_command
+
+    return report_command(argv)
+
+
 COMMANDS = {"train": _train, "memory": _memory, "plan": _plan, "checkpoint": _checkpoint, "bench": _bench,
-            "data": _data, "eval": _eval, "generate": _generate}
+            "data": _data, "eval": _eval, "generate": _generate, "report": _report}
 
 
 def main(argv: list[str] | None = None) -> int:

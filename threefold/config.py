@@ -139,6 +139,10 @@ class LogConfig:
     dir: str = knob("runs/latest", "Run directory for metrics.jsonl and run.json")
     interval: int = knob(10, "Print a status line every N steps when stdout is not a terminal")
     quiet: bool = knob(False, "No per-step console output")
+    spans: bool = knob(False, "Time every rank's step by category (compute, TP/PP/DP comm, bubble, ...): "
+                       "time_s in metrics.jsonl, per-rank spans.jsonl")
+    trace_steps: str = knob("", "Steps written to trace.json (Perfetto), e.g. '5,6'; needs log.spans")
+    tensorboard: bool = knob(False, "Also write the metrics as TensorBoard scalars into log.dir (needs tensorboard)")
 
 
 @dataclass

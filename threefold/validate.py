@@ -169,6 +169,7 @@ def validate_train(cfg: Config) -> None:
         p.microbatches = per_rank // t.micro_batch
     if cfg.log.interval <= 0:
         raise ConfigError("log.interval", f"must be > 0, got {cfg.log.interval}")
+    validate_log(cfg)
     if cfg.checkpoint.interval < 0:
         raise ConfigError("checkpoint.interval", f"must be >= 0, got {cfg.checkpoint.interval}")
 
@@ -182,6 +183,28 @@ def _validate_eval(cfg: Config) -> None:
     if t.eval_every and d.val_fraction == 0:
         raise ConfigError("train.eval_every", f"{t.eval_every} needs held-out tokens, but data.val_fraction is 0",
                           "set e.g. --data.val_fraction 0.01")
+
+
+def validate_log(cfg: Config) -> None:
+    """Trace steps parse and need spans; TensorBoard output needs the package."""
+    import importlib.util
+
+    from threefold.observe.observer import parse_trace_steps
+
+    log = cfg.log
+    try:
+        steps = parse_trace_steps(log.trace_steps)
+    except ValueError:
+        raise ConfigError("log.trace_steps", f"{log.trace_steps!r} is not a list of step numbers",
+                          "e.g. '5,6' (steps count from 1)") from None
+    if steps and not log.spans:
+        raise ConfigError("log.trace_steps", "needs log.spans true", "set --log.spans true")
+    if steps and max(steps) > cfg.train.steps:
+        raise ConfigError("log.trace_steps", f"step {max(steps)} is past train.steps ({cfg.train.steps})",
+                          f"valid: 1..{cfg.train.steps}")
+    if log.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("log.tensorboard", "the tensorboard package is not installed",
+                          "pip install 'threefold[tensorboard]' or set log.tensorboard false")
 
 
 def validate_pipeline(cfg: Config) -> None:

@@ -150,6 +150,8 @@ class Group:
     ranks: list[int]
     pg: dist.ProcessGroup | None
     stats: CommStats = field(default_factory=CommStats, compare=False, repr=False)
+    spans: object = field(default=None, compare=False, repr=False)
+    """A span recorder (threefold.observe.spans) that times this group's collectives, or None."""
 
     @property
     def size(self) -> int:

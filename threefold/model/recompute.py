@@ -47,14 +47,29 @@ def _contexts():
 
 
 def recompute_module(module: nn.Module) -> nn.Module:
-    """Make `module` save only its inputs and recompute its internals during backward."""
+    """Make `module` save only its inputs and recompute its internals during backward.
+
+    `module.spans`, when set to a span recorder (threefold.observe), times the reruns as
+    "recompute": a call of `inner` outside forward() is checkpoint's rerun in backward."""
     inner = module.forward
+    in_forward = [False]
+
+    def run(*args, **kwargs):
+        if in_forward[0] or module.spans is None:
+            return inner(*args, **kwargs)
+        with module.spans.span("recompute"):
+            return inner(*args, **kwargs)
 
     def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_contexts, **kwargs)
+        in_forward[0] = True
+        try:
+            return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_contexts, **kwargs)
+        finally:
+            in_forward[0] = False
 
     module.forward = forward
     module.recomputed = True
+    module.spans = None
     return module
 
 

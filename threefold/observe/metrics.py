@@ -52,25 +52,37 @@ class MetricsWriter:
     crash loses at most the line being written. Floats are written as-is, None and
     non-finite floats (NaN, inf) as null."""
 
-    def __init__(self, log_dir: str | Path, enabled: bool, append: bool = True):
-        """`append=False` starts the file afresh (a new run); a resumed run appends."""
+    def __init__(self, log_dir: str | Path, enabled: bool, append: bool = True, tensorboard: bool = False):
+        """`append=False` starts the file afresh (a new run); a resumed run appends.
+        `tensorboard`: also write each line's numbers as TensorBoard scalars (observe.tensorboard)."""
         self.enabled = enabled
         self.path = Path(log_dir) / "metrics.jsonl"
         self._file = None
+        self._board = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+            if tensorboard:
+                from threefold.observe.tensorboard import ScalarBoard
+
+                self._board = ScalarBoard(self.path.parent)
 
     def write(self, record: dict) -> None:
         if self._file is None:
             return
-        self._file.write(_dumps(record) + "\n")
+        line = _dumps(record)
+        self._file.write(line + "\n")
         self._file.flush()
+        if self._board is not None:
+            self._board.write(json.loads(line))
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._board is not None:
+            self._board.close()
+            self._board = None
 
     def __enter__(self) -> "MetricsWriter":
         return self

@@ -25,6 +25,7 @@ from threefold.errors import DataError
 from threefold.inference.evaluate import HeldOut
 from threefold.observe import (MetricsWriter, device_peak_flops, mfu, peak_memory_bytes, train_flops_per_token,
                                write_run_json)
+from threefold.observe.observer import StepObserver
 from threefold.train.expert_load import ExpertLoad
 from threefold.train.optim import lr_at
 from threefold.train.status import StatusLine
@@ -116,7 +117,10 @@ def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
     start_step = resume(cfg, state, engine, log if is_logger else _quiet)
     if start_step == 0 and cfg.checkpoint.init_from:
         initialize_from(cfg, state, engine, log if is_logger else _quiet)
-    metrics = MetricsWriter(cfg.log.dir, enabled=is_logger, append=start_step > 0)
+    metrics = MetricsWriter(cfg.log.dir, enabled=is_logger, append=start_step > 0, tensorboard=cfg.log.tensorboard)
+    observer = StepObserver(cfg.log, grid, device, is_logger)  # log.spans: where each rank's step time went
+    observer.attach(chunks, engine)
+    phase = observer.phase  # from here on, until the next phase(), the step's time counts as this category
     if is_logger:
         write_run_json(cfg.log.dir, cfg.to_dict(), grid.describe(), device=device,
                        extra={"data": tokens.source, "peak_flops_per_device": peak, "dtype": str(dtype),
@@ -130,28 +134,37 @@ def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
     last = {}
     with Prefetcher(produce, start_step, t.steps, depth=cfg.data.prefetch) as prefetch:
         for step in range(start_step, t.steps):
+            observer.begin_step(step)
             t0 = time.perf_counter()
             tp_bytes0 = grid.tp.stats.total_bytes
+            phase("data_wait")
             batches, data_wait = prefetch.get(step)
+            phase("other")
             lr = lr_at(step, t)
             expert_load.set_loss_weight(engine.loss_scale)
             # Forward/backward of every micro-batch through this rank's stage, in schedule order;
             # each chunk's last backward runs outside no_sync so its gradient buckets start
             # reducing over dp while the rest of backward still runs.
             with probe.watch(chunks) if probe else contextlib.nullcontext():
-                loss_sum, pipe = executor.run(batches, tokens_per_step / engine.loss_scale, no_sync=engine.no_sync)
+                loss_sum, pipe = executor.run(batches, tokens_per_step / engine.loss_scale, no_sync=engine.no_sync,
+                                              spans=observer.recorder)
+            phase("dp_exposed")
             engine.finish()
             # Tensor parallel: replicated parameters whose gradient each TP rank holds a part of
             # (norms under SP, kv heads shared when kv_heads < tp) are summed over the TP group;
             # the embedding and its last-stage copy over the first and last stage.
+            phase("tp_comm")
             engine.all_reduce_grads_of(tp_partial, grid.tp)
+            phase("sync")
             if tied:
                 engine.all_reduce_grads_of(tied, grid.embed)
+            phase("optimizer")
             grad_norm = engine.grad_norm([grid.pp], exclude=tied_copy)
             applied = engine.step(lr, grad_norm, t.grad_clip)
             if probe:
                 probe.after_step(engine)
             engine.zero_grad()
+            phase("sync")
             all_reduce_sum(loss_sum, grid.pp)  # only the last stage computed a loss
             all_reduce_sum(loss_sum, grid.dp)
             # One small MAX reduction gives the slowest rank's memory, data wait and pipeline idle.
@@ -159,6 +172,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
                                                  pipe.idle_fraction]), grid.world)
             loss_value, norm_value = loss_sum.item() / tokens_per_step, grad_norm.item()
             step_time = time.perf_counter() - t0
+            phase("other")
             tflops = flops_per_step / world / step_time / 1e12
             last = {
                 "step": step + 1, "time": time.time(), "loss": loss_value, "grad_norm": norm_value, "lr": lr,
@@ -173,16 +187,20 @@ def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
             }
             last.update(expert_load.collect(grid.world))
             if heldout is not None and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+                phase("eval")
                 last["val_loss"] = heldout.evaluate(chunks, grid, cfg)["loss"]
+            c = cfg.checkpoint
+            if c.dir and ((c.interval and (step + 1) % c.interval == 0) or step + 1 == t.steps):
+                phase("checkpoint")  # after step_time: the save blocks the run, reported as its own category
+                save(c.dir, step + 1, state, cfg.to_dict(), grid.describe(), {"optimizer_step": step + 1}, c.keep)
+            last.update(observer.end_step(engine))
             metrics.write(last)
             if last.get("moe_hot_experts") and is_logger and (step + 1) % cfg.log.interval == 0:
                 log(f"threefold: step {step + 1}: experts above 2x their layer's mean load: "
                     f"{', '.join(last['moe_hot_experts'])}")
             status.update(step, loss_value, last["tokens_per_s"], last["mfu"])
-            c = cfg.checkpoint
-            if c.dir and ((c.interval and (step + 1) % c.interval == 0) or step + 1 == t.steps):
-                save(c.dir, step + 1, state, cfg.to_dict(), grid.describe(), {"optimizer_step": step + 1}, c.keep)
     metrics.close()
+    observer.close()
     if probe:
         return probe.gather(cfg, grid, chunks, dtype)
     return last

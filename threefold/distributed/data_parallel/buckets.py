@@ -154,9 +154,11 @@ class GradBuckets:
         if self.group.size == 1:
             self.works[b] = (None, None)
         elif not self.sharded:
+            self.group.stats.record("all_reduce", full.numel() * full.element_size())
             self.works[b] = (dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pg, async_op=True), None)
         else:
             out = torch.empty(self.layout.buckets[b].shard_numel, dtype=self.grad_dtype, device=self.device)
+            self.group.stats.record("reduce_scatter", full.numel() * full.element_size())
             self.works[b] = (dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=pg, async_op=True), out)
 
     def _complete(self, b: int) -> None:

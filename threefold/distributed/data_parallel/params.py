@@ -15,6 +15,7 @@ autograd saved for backward see the data again once it is gathered back.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -79,6 +80,7 @@ class ShardedParams:
                 self.state.append(READY)
                 self.free(b.index)
         self.gather_wait_s = 0.0  # time blocked on parameter all-gathers (not hidden by prefetch)
+        self.spans = None  # a span recorder (threefold.observe) timing that wait as dp_exposed, or None
 
     def owned(self) -> list[torch.Tensor]:
         return [self.shard[b.shard_offset:b.shard_offset + b.shard_numel] for b in self.layout.buckets]
@@ -88,6 +90,7 @@ class ShardedParams:
         full, bucket = self.full[b], self.layout.buckets[b]
         full.untyped_storage().resize_(bucket.numel * full.element_size())
         shard = self.shard[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]
+        self.group.stats.record("all_gather", bucket.numel * full.element_size())
         self.state[b] = dist.all_gather_single(full, shard, group=self.group.pg, async_op=True)
 
     def prefetch(self, b: int | None) -> None:
@@ -100,9 +103,10 @@ class ShardedParams:
         if self.state[b] is READY:
             return
         t0 = time.perf_counter()
-        if self.state[b] is None:
-            self._launch(b)
-        self.state[b].wait()
+        with contextlib.nullcontext() if self.spans is None else self.spans.span("dp_exposed", "zero-3 gather"):
+            if self.state[b] is None:
+                self._launch(b)
+            self.state[b].wait()
         self.state[b] = READY
         self.gather_wait_s += time.perf_counter() - t0
 

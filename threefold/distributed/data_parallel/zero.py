@@ -66,6 +66,8 @@ class ZeroAdamW:
         in place (each input is this rank's slice of the output)."""
         if self.group.size == 1:
             return
+        for full in param_bucket:
+            self.group.stats.record("all_gather", full.numel() * full.element_size())
         works = [dist.all_gather_single(full, owned, group=self.group.pg, async_op=True)
                  for full, owned in zip(param_bucket, self.param_owned)]
         for work in works:

@@ -9,6 +9,13 @@ action, sends only at the end of the step, as the schedules' batching convention
 
 The time spent waiting for receives is this rank's idle time inside the schedule: the
 pipeline bubble plus any transfer time not hidden behind compute.
+
+With a span recorder (threefold.observe.spans) passed to run(), every action is timed on it:
+F/B/W as forward/backward/weight_grad (labelled with the action), receive waits as pp_bubble,
+posting a batch and finishing the sends as pp_p2p. The step then ends with a pipeline flush (a
+one-element all-reduce over the pipeline group), also timed as pp_bubble: the cool-down idle of
+the ranks that finish their schedule first, which would otherwise show up in whatever
+collective over the pipeline group came next (the gradient norm's).
 """
 from __future__ import annotations
 
@@ -24,6 +31,13 @@ from threefold.distributed.grid import Group
 from threefold.distributed.pipeline.p2p import WireFormat
 from threefold.distributed.pipeline.schedules import Action, group_batches
 from threefold.distributed.pipeline.weight_grad import WeightGradStore
+
+_SPAN_OF = {"F": "forward", "B": "backward", "W": "weight_grad"}
+_UNTIMED = contextlib.nullcontext()
+
+
+def _untimed(category, label=None):
+    return _UNTIMED
 
 
 @dataclass
@@ -64,12 +78,14 @@ class PipelineExecutor:
         self.final_grad_actions = set(last.values())
 
     def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
-            autocast=contextlib.nullcontext, no_sync=None) -> tuple[torch.Tensor, PipelineStats]:
+            autocast=contextlib.nullcontext, no_sync=None, spans=None) -> tuple[torch.Tensor, PipelineStats]:
         """Run one step's schedule; returns the summed (unscaled) loss of the micro-batches
         whose last stage is here (zero elsewhere) and this rank's timing. `no_sync()`, when
         given, wraps every gradient-producing action but each chunk's last one, so gradient
-        reduction starts only when a chunk's gradients are final (data parallelism)."""
+        reduction starts only when a chunk's gradients are final (data parallelism). `spans`:
+        a span recorder timing each action, or None."""
         plan, stats = self.plan, PipelineStats()
+        span = _untimed if spans is None else spans.span
         device = plan.wire.device
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -80,23 +96,28 @@ class PipelineExecutor:
         start = time.perf_counter()
         for step in self.steps:
             if isinstance(step, tuple):
-                self._exchange(step, inputs, outputs, grads_from_next, grads_to_prev, pending_sends, stats)
+                self._exchange(step, inputs, outputs, grads_from_next, grads_to_prev, pending_sends, stats, span)
                 continue
             key = (step.microbatch, step.chunk)
             t0 = time.perf_counter()
-            if step.kind == "F":
-                loss_sum += self._forward(step, key, microbatches, inputs, outputs, loss_scale, autocast)
-            else:
-                final = no_sync is None or (step.kind, key) in self.final_grad_actions
-                with contextlib.nullcontext() if final else no_sync():
-                    if step.kind == "B":
-                        self._backward(step, key, inputs, outputs, grads_from_next, grads_to_prev)
-                    else:
-                        self.store.run(key)
+            with span(_SPAN_OF[step.kind], step):
+                if step.kind == "F":
+                    loss_sum += self._forward(step, key, microbatches, inputs, outputs, loss_scale, autocast)
+                else:
+                    final = no_sync is None or (step.kind, key) in self.final_grad_actions
+                    with contextlib.nullcontext() if final else no_sync():
+                        if step.kind == "B":
+                            self._backward(step, key, inputs, outputs, grads_from_next, grads_to_prev)
+                        else:
+                            self.store.run(key)
             stats.compute_s[step.kind] += time.perf_counter() - t0
-        for work in pending_sends:
-            work.wait()
+        with span("pp_p2p", "finish sends"):
+            for work in pending_sends:
+                work.wait()
         stats.wall_s = time.perf_counter() - start
+        if spans is not None and plan.group.size > 1:  # after wall_s: PipelineStats stay as without spans
+            with span("pp_bubble", "pipeline flush"):
+                dist.all_reduce(torch.zeros(1, device=device), group=plan.group.pg)
         if inputs or outputs or grads_from_next or grads_to_prev or (self.store and self.store.pending):
             raise RuntimeError("pipeline schedule left work unfinished: a schedule bug")
         return loss_sum, stats
@@ -123,7 +144,30 @@ class PipelineExecutor:
             x = inputs.pop(key)
             grads_to_prev[key] = x.grad
 
-    def _exchange(self, batch, inputs, outputs, grads_from_next, grads_to_prev, pending_sends, stats) -> None:
+    def _exchange(self, batch, inputs, outputs, grads_from_next, grads_to_prev, pending_sends, stats,
+                  span=_untimed) -> None:
+        with span("pp_p2p", batch):
+            works, received = self._post(batch, inputs, outputs, grads_to_prev, stats)
+        t0 = time.perf_counter()
+        with span("pp_bubble", batch):
+            if len(works) == len(batch):  # one request per op (gloo): sends may complete later
+                for a, work in zip(batch, works):
+                    if a.kind.startswith("RECV"):
+                        work.wait()
+                    else:
+                        pending_sends.append(work)
+            else:  # a coalesced batch (NCCL returns one request): its receives land only when it completes
+                for work in works:
+                    work.wait()
+        stats.recv_wait_s += time.perf_counter() - t0
+        for kind, key, tensor in received:
+            if kind == "RECV_F":
+                inputs[key] = tensor.requires_grad_()
+            else:
+                grads_from_next[key] = tensor
+
+    def _post(self, batch, inputs, outputs, grads_to_prev, stats):
+        """Post one batch of sends and receives; returns (requests, [(kind, key, buffer)])."""
         plan, ops, received = self.plan, [], []
         for a in batch:
             key, peer = (a.microbatch, a.chunk), plan.group.ranks[a.peer]
@@ -135,24 +179,10 @@ class PipelineExecutor:
                 tensor = plan.wire.empty()
                 received.append((a.kind, key, tensor))
             if a.kind.startswith("SEND"):
-                stats.sent_bytes += tensor.numel() * tensor.element_size()
+                nbytes = tensor.numel() * tensor.element_size()
+                stats.sent_bytes += nbytes
+                plan.group.stats.record("send", nbytes)
                 ops.append(dist.P2POp(dist.isend, tensor, peer, group=plan.group.pg))
             else:
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, group=plan.group.pg))
-        works = dist.batch_isend_irecv(ops)
-        t0 = time.perf_counter()
-        if len(works) == len(ops):  # one request per op (gloo): sends may complete later
-            for a, work in zip(batch, works):
-                if a.kind.startswith("RECV"):
-                    work.wait()
-                else:
-                    pending_sends.append(work)
-        else:  # a coalesced batch (NCCL returns one request): its receives land only when it completes
-            for work in works:
-                work.wait()
-        stats.recv_wait_s += time.perf_counter() - t0
-        for kind, key, tensor in received:
-            if kind == "RECV_F":
-                inputs[key] = tensor.requires_grad_()
-            else:
-                grads_from_next[key] = tensor
+        return dist.batch_isend_irecv(ops), received

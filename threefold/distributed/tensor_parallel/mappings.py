@@ -17,6 +17,8 @@ A group of size 1 makes every function the identity (and records nothing).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -32,12 +34,21 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+_UNTIMED = contextlib.nullcontext()
+
+
+def _timed(group: Group):
+    """A tp_comm span on the group's recorder when one is attached (threefold.observe)."""
+    return _UNTIMED if group.spans is None else group.spans.span("tp_comm")
+
+
 # --- the raw collectives, each recorded in the group's stats -------------------------------
 
 def all_reduce_(x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """All-reduce `x` in place (x must be contiguous)."""
     group.stats.record("all_reduce", _nbytes(x))
-    dist.all_reduce(x, op=op, group=group.pg)
+    with _timed(group):
+        dist.all_reduce(x, op=op, group=group.pg)
     return x
 
 
@@ -46,7 +57,8 @@ def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((x.shape[0] * group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     group.stats.record("all_gather", _nbytes(out))
-    _all_gather_flat(out, x, group=group.pg)
+    with _timed(group):
+        _all_gather_flat(out, x, group=group.pg)
     return out
 
 
@@ -57,7 +69,8 @@ def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
         raise ValueError(f"reduce-scatter: dimension 0 ({x.shape[0]}) is not divisible by {group.size}")
     out = torch.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     group.stats.record("reduce_scatter", _nbytes(x))
-    _reduce_scatter_flat(out, x, group=group.pg)
+    with _timed(group):
+        _reduce_scatter_flat(out, x, group=group.pg)
     return out
 
 

@@ -1,0 +1,159 @@
+"""Per-step observation for the training loop: spans on every rank, gathered once per step.
+
+    observer = StepObserver(cfg.log, grid, device, is_logger)
+    observer.attach(chunks, engine)             # recompute reruns, TP collectives, ZeRO-3 gathers get timed
+    observer.begin_step(step)
+    observer.phase("data_wait"); ...            # time from here counts as data_wait
+    executor.run(..., spans=observer.recorder)  # F/B/W and pipeline p2p
+    fields = observer.end_step(engine)          # -> merged into the metrics.jsonl line
+
+With log.spans false the recorder is None, span() hands out one shared null context and
+end_step() returns {} without any communication: off costs nothing.
+
+On: one all-gather over the world per step carries every rank's category seconds and bytes per
+group; the logging rank writes their mean and max into metrics.jsonl (`time_s`, `comm_bytes`)
+and every rank's detail into spans.jsonl. On the steps in log.trace_steps the ranks' spans go
+to the logging rank (one gather of Python objects) and into trace.json, and the blocking cost
+of the step's data-parallel collectives is measured by replaying them (`dp_comm_serial_s`),
+outside the timed step.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from threefold.observe.spans import CATEGORIES, SpanRecorder
+from threefold.observe.trace import TraceFile
+
+GROUPS = ("tp", "pp", "dp", "ep", "edp", "embed")
+"""Groups whose bytes are reported (the logical tensor size of each collective or send)."""
+
+_UNTIMED = contextlib.nullcontext()
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def parse_trace_steps(text: str) -> set[int]:
+    """'5,6' -> {5, 6}; raises ValueError on anything else (validate.py turns it into one line)."""
+    out = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        step = int(part)
+        if step < 1:
+            raise ValueError(f"step {step} is not >= 1")
+        out.add(step)
+    return out
+
+
+class StepObserver:
+    def __init__(self, log_cfg, grid, device: torch.device, is_logger: bool):
+        self.grid, self.device, self.is_logger = grid, torch.device(device), is_logger
+        self.recorder = SpanRecorder(self.device) if log_cfg.spans else None
+        self.trace_steps = parse_trace_steps(log_cfg.trace_steps) if self.recorder else set()
+        self.log_dir = Path(log_cfg.dir)
+        self._groups = [getattr(grid, name, None) for name in GROUPS]
+        self._bytes0 = [0] * len(GROUPS)
+        self._step = 0
+        self._detail = None
+        self._trace = None
+        self._coords = [grid.layout.coords(r) for r in range(grid.layout.world_size)]
+
+    def attach(self, chunks, engine=None) -> None:
+        """Time activation recomputation, the tensor- and expert-parallel collectives of these chunks, and
+        ZeRO-3's parameter gathers (their exposed wait) when `engine` shards parameters."""
+        # None detaches a recorder a previous run left on the grid.
+        self.grid.tp.spans = self.grid.ep.spans = self.recorder
+        if self.recorder is None:
+            return
+        for part in getattr(engine, "engines", [engine] if engine is not None else []):  # MoE: dense + experts
+            if part.zero == 3:
+                part.store.spans = self.recorder
+        for chunk in chunks:
+            for module in chunk.modules():
+                if getattr(module, "recomputed", False):
+                    module.spans = self.recorder
+
+    def span(self, category: str, label=None):
+        return _UNTIMED if self.recorder is None else self.recorder.span(category, label)
+
+    def phase(self, category: str) -> None:
+        """Count the step's time from here on as `category` (see SpanRecorder.phase)."""
+        if self.recorder is not None:
+            self.recorder.phase(category)
+
+    def begin_step(self, step: int) -> None:
+        """`step` counts from 0; log.trace_steps counts as metrics.jsonl does, from 1."""
+        if self.recorder is None:
+            return
+        self._step = step + 1
+        self._bytes0 = [g.stats.total_bytes if g is not None else 0 for g in self._groups]
+        self.recorder.begin_step(trace=self._step in self.trace_steps)
+
+    def end_step(self, engine=None) -> dict:
+        """Close the step on every rank (collective over the world); the logging rank gets
+        the fields for its metrics line, the other ranks {}."""
+        if self.recorder is None:
+            return {}
+        timeline = self.recorder.end_step()
+        tracing = self._step in self.trace_steps
+        serial = engine.time_serial_comm(repeats=1) if tracing and engine is not None else 0.0
+        nbytes = [(g.stats.total_bytes if g is not None else 0) - b0 for g, b0 in zip(self._groups, self._bytes0)]
+        mine = torch.tensor([timeline.wall_s, serial, *(timeline.seconds[c] for c in CATEGORIES), *nbytes],
+                            dtype=torch.float64, device=self.device)
+        world = self.grid.world
+        if world.size > 1:
+            rows = torch.empty(world.size * mine.numel(), dtype=mine.dtype, device=self.device)
+            _all_gather_flat(rows, mine, group=world.pg)
+            rows = rows.view(world.size, -1).cpu()
+        else:
+            rows = mine.view(1, -1).cpu()
+        per_rank = self._gather_events(timeline.events) if tracing else None
+        if not self.is_logger:
+            return {}
+        return self._write(rows, per_rank)
+
+    def _gather_events(self, events: list) -> list | None:
+        world = self.grid.world
+        if world.size == 1:
+            return [events]
+        out = [None] * world.size if self.is_logger else None
+        dist.gather_object(events, out, dst=world.ranks[0], group=world.pg)
+        return out
+
+    def _write(self, rows: torch.Tensor, per_rank: list | None) -> dict:
+        n = len(CATEGORIES)
+        wall, serial = rows[:, 0], rows[:, 1]
+        seconds, nbytes = rows[:, 2:2 + n], rows[:, 2 + n:]
+        if self._detail is None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._detail = open(self.log_dir / "spans.jsonl", "a", encoding="utf-8")
+        ranks = []
+        for r in range(rows.shape[0]):
+            ranks.append({"rank": r, **{k: v for k, v in self._coords[r].items() if k in ("tp", "pp", "dp", "ep")},
+                          "wall_s": float(wall[r]),
+                          "time_s": {c: float(seconds[r, i]) for i, c in enumerate(CATEGORIES)},
+                          "comm_bytes": {g: int(nbytes[r, i]) for i, g in enumerate(GROUPS)}})
+        self._detail.write(json.dumps({"step": self._step, "ranks": ranks}) + "\n")
+        self._detail.flush()
+        if per_rank is not None:
+            if self._trace is None:
+                self._trace = TraceFile(self.log_dir, list(enumerate(self._coords)))
+            self._trace.add_step(self._step, list(enumerate(per_rank)), float(wall.max()))
+        fields = {
+            "span_step_s": {"mean": float(wall.mean()), "max": float(wall.max())},
+            "time_s": {"mean": {c: float(seconds[:, i].mean()) for i, c in enumerate(CATEGORIES)},
+                       "max": {c: float(seconds[:, i].max()) for i, c in enumerate(CATEGORIES)}},
+            "comm_bytes": {g: float(nbytes[:, i].mean()) for i, g in enumerate(GROUPS)},
+        }
+        if per_rank is not None:
+            fields["dp_comm_serial_s"] = float(serial.max())
+        return fields
+
+    def close(self) -> None:
+        if self._detail is not None:
+            self._detail.close()
+            self._detail = None

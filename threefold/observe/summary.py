@@ -1,0 +1,198 @@
+"""What a run did, from its directory: throughput, MFU/HFU, where the time went, and who was slow.
+
+Figures are over the steady steps (all but the first, which pays start-up costs) unless the run
+has only one. Time categories are seconds per step, mean over ranks (metrics.jsonl `time_s`),
+and per rank from spans.jsonl.
+"""
+from __future__ import annotations
+
+import statistics
+from types import SimpleNamespace
+
+from threefold.observe.flops import hardware_flops_per_token, train_flops_per_token
+from threefold.observe.rundir import Run
+from threefold.observe.spans import CATEGORIES, COMPUTE
+
+STRAGGLER_MARGIN = 0.10  # a rank whose busy time is this much above the median is named
+
+
+def _mean(values):
+    values = [v for v in values if isinstance(v, (int, float))]
+    return statistics.fmean(values) if values else None
+
+
+def _median(values):
+    values = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(values) if values else None
+
+
+def hfu_ratio(config: dict) -> float | None:
+    """Hardware over model FLOPs for the run's recompute setting (1.0 without recompute)."""
+    m, t, p = config.get("model", {}), config.get("train", {}), config.get("parallel", {})
+    try:
+        model = SimpleNamespace(**m)
+        mode = t.get("recompute", "none")
+        ratio = hardware_flops_per_token(model, recompute=mode) / train_flops_per_token(model)
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError):
+        return None
+    layers, covered = m.get("layers", 0), t.get("recompute_layers", 0)
+    if mode == "full" and covered and layers:  # only the first N blocks of each stage rerun
+        per_stage = layers / max(1, p.get("pp", 1) * p.get("vpp", 1))
+        ratio = 1 + (ratio - 1) * min(1.0, covered / per_stage)
+    return ratio
+
+
+def breakdown(records: list[dict]) -> dict[str, float]:
+    """Mean seconds per step of every category (mean over ranks), from metrics lines."""
+    rows = [r["time_s"]["mean"] for r in records if isinstance(r.get("time_s"), dict) and "mean" in r["time_s"]]
+    return {c: _mean([row.get(c) for row in rows]) or 0.0 for c in CATEGORIES} if rows else {}
+
+
+def per_rank(run: Run) -> dict[int, dict]:
+    """rank -> {"wall_s", "time_s": {category: mean seconds}, "comm_bytes", coords} over steady steps."""
+    out: dict[int, dict] = {}
+    for line in run.steady(run.spans):
+        for r in line["ranks"]:
+            entry = out.setdefault(r["rank"], {"walls": [], "rows": [], "bytes": [],
+                                               "coords": {k: r[k] for k in ("tp", "pp", "dp", "ep") if k in r}})
+            entry["walls"].append(r.get("wall_s", 0.0))
+            entry["rows"].append(r.get("time_s", {}))
+            entry["bytes"].append(r.get("comm_bytes", {}))
+    for entry in out.values():
+        rows, byts = entry.pop("rows"), entry.pop("bytes")
+        entry["wall_s"] = _mean(entry.pop("walls")) or 0.0
+        entry["time_s"] = {c: _mean([row.get(c) for row in rows]) or 0.0 for c in CATEGORIES}
+        entry["comm_bytes"] = {g: _mean([b.get(g) for b in byts]) or 0.0 for g in (byts[0] if byts else {})}
+    return dict(sorted(out.items()))
+
+
+def stragglers(ranks: dict[int, dict]) -> list[tuple[int, float, str]]:
+    """Ranks busy (computing) more than STRAGGLER_MARGIN above the median: (rank, excess fraction,
+    the category that grew most against the median rank)."""
+    if len(ranks) < 2:
+        return []
+    busy = {r: sum(e["time_s"][c] for c in COMPUTE) for r, e in ranks.items()}
+    med = statistics.median(busy.values())
+    if med <= 0:
+        return []
+    out = []
+    for r, b in busy.items():
+        if b > med * (1 + STRAGGLER_MARGIN):
+            med_cat = {c: statistics.median(e["time_s"][c] for e in ranks.values()) for c in COMPUTE}
+            worst = max(COMPUTE, key=lambda c: ranks[r]["time_s"][c] - med_cat[c])
+            out.append((r, b / med - 1, worst))
+    return sorted(out, key=lambda x: -x[1])
+
+
+def _keys_like(records: list[dict], words: tuple[str, ...]) -> dict[str, float]:
+    found: dict[str, list] = {}
+    for r in records:
+        for k, v in r.items():
+            if any(w in k for w in words) and isinstance(v, (int, float)) and not isinstance(v, bool):
+                found.setdefault(k, []).append(v)
+    return {k: statistics.fmean(v) for k, v in found.items()}
+
+
+def summarize(run: Run) -> dict:
+    steady = run.steady(run.metrics)
+    cfg = run.config
+    p = cfg.get("parallel", {})
+    out = {
+        "name": run.name, "steps": run.metrics[-1].get("step"), "layout": _layout(cfg),
+        "step_time_s": _median([r.get("step_time_s") for r in steady]),
+        "tokens_per_s": _median([r.get("tokens_per_s") for r in steady]),
+        "mfu": _median([r.get("mfu") for r in steady]),
+        "loss_first": run.metrics[0].get("loss"), "loss_last": run.metrics[-1].get("loss"),
+        "breakdown": breakdown(steady), "wall_s": _mean([r.get("span_step_s", {}).get("mean") for r in steady]),
+        "bubble_theory": run.metrics[-1].get("pp_bubble_theory") if p.get("pp", 1) > 1 else None,
+        "comm_bytes": {}, "dp_comm_serial_s": _mean([r.get("dp_comm_serial_s") for r in run.metrics]),
+        "per_rank": per_rank(run), "notes": list(run.notes), "zero": p.get("zero", 0) if p.get("dp", 1) > 1 else 0,
+    }
+    ratio = hfu_ratio(cfg)
+    out["hfu"] = out["mfu"] * ratio if out["mfu"] is not None and ratio is not None else None
+    bytes_rows = [r["comm_bytes"] for r in steady if isinstance(r.get("comm_bytes"), dict)]
+    if bytes_rows:
+        out["comm_bytes"] = {g: _mean([b.get(g) for b in bytes_rows]) for g in bytes_rows[0]}
+    b, wall = out["breakdown"], out["wall_s"]
+    out["bubble_measured"] = b["pp_bubble"] / wall if b and wall else None
+    out["stragglers"] = stragglers(out["per_rank"])
+    out["experts"] = _keys_like(steady, ("expert", "imbalance"))
+    out["goodput"] = _keys_like(run.metrics[-1:], ("goodput",)) or \
+        {k: v for k, v in run.info.get("extra", {}).items() if "goodput" in k and isinstance(v, (int, float))}
+    return out
+
+
+def _layout(cfg: dict) -> str:
+    p = cfg.get("parallel", {})
+    text = f"tp{p.get('tp', 1)} pp{p.get('pp', 1)} dp{p.get('dp', 1)}"
+    if p.get("ep", 1) > 1:
+        text += f" ep{p['ep']}"
+    if p.get("pp", 1) > 1:
+        text += f" {p.get('schedule')}" + (f" vpp{p['vpp']}" if p.get("vpp", 1) > 1 else "")
+        text += f" m{p.get('microbatches')}"
+    if p.get("zero"):
+        text += f" zero{p['zero']}"
+    return text
+
+
+def _pct(x):
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _ms(x):
+    return "n/a" if x is None else f"{1e3 * x:.2f} ms"
+
+
+def _bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"run {s['name']}: {s['layout']}, {s['steps']} steps",
+             f"  step time {_ms(s['step_time_s'])} (median)   tokens/s {s['tokens_per_s'] or 0:,.0f}   "
+             f"MFU {_pct(s['mfu'])}   HFU {_pct(s['hfu'])}",
+             f"  loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}" if s["loss_first"] is not None else "  loss n/a"]
+    b, wall = s["breakdown"], s["wall_s"]
+    if not b:
+        lines.append("  no time breakdown: the run had log.spans off (rerun with --log.spans true)")
+    else:
+        lines.append(f"  where the time went (per step, mean over ranks; {_ms(wall)} observed):")
+        for c in CATEGORIES:
+            if b[c] > 5e-4 * wall:  # leave out what rounds to nothing
+                lines.append(f"    {c:<12} {_ms(b[c]):>12} {_pct(b[c] / wall if wall else None):>7}")
+        if s["bubble_theory"] is not None:
+            lines.append(f"  pipeline bubble: measured {_pct(s['bubble_measured'])} of the step, "
+                         f"theory {_pct(s['bubble_theory'])}")
+        exposed = sum(b[c] for c in ("tp_comm", "pp_p2p", "dp_exposed", "ep_a2a"))
+        lines.append(f"  exposed communication: {_ms(exposed)} ({_pct(exposed / wall if wall else None)}): "
+                     f"tp {_ms(b['tp_comm'])}, pp {_ms(b['pp_p2p'])}, dp {_ms(b['dp_exposed'])}, "
+                     f"ep {_ms(b['ep_a2a'])}")
+        if s["dp_comm_serial_s"] and s["zero"] == 3:
+            lines.append(f"  dp gradient reduction: {_ms(s['dp_comm_serial_s'])} if run blocking "
+                         f"(dp_exposed also holds ZeRO-3's parameter-gather waits)")
+        elif s["dp_comm_serial_s"]:
+            hidden = 1 - b["dp_exposed"] / s["dp_comm_serial_s"]
+            lines.append(f"  dp gradient communication: {_ms(s['dp_comm_serial_s'])} if run blocking, "
+                         f"{_ms(b['dp_exposed'])} exposed ({_pct(max(0.0, hidden))} hidden; exposed includes "
+                         "waiting for a slower dp peer)")
+    if s["comm_bytes"]:
+        lines.append("  bytes per step per rank: " + ", ".join(
+            f"{g} {_bytes(v)}" for g, v in s["comm_bytes"].items() if v))
+    if s["per_rank"]:
+        slow = s["stragglers"]
+        if slow:
+            for r, excess, cat in slow:
+                lines.append(f"  straggler: rank {r} computes {_pct(excess)} longer than the median rank "
+                             f"(mostly {cat})")
+        else:
+            lines.append(f"  stragglers: none (every rank within {_pct(STRAGGLER_MARGIN)} of the median compute time)")
+    for k, v in s["experts"].items():
+        lines.append(f"  {k}: {v:.3f} (mean)")
+    for k, v in s["goodput"].items():
+        lines.append(f"  {k}: {v:.3f}")
+    for note in s["notes"]:
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
