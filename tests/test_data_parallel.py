@@ -493,9 +493,80 @@ def test_bucket_reduction_overlaps_backward(cache_dir):
         hidden = [1 - r[zero]["exposed_s"] / r[zero]["serial_s"] for r in results]
         print(f"\nzero {zero}: {n} buckets, serial {res['serial_s'] * 1e3:.1f} ms, exposed "
               f"{[round(r[zero]['exposed_s'] * 1e3, 2) for r in results]} ms, hidden {[round(h, 3) for h in hidden]}")
-        # Not asserted: on two shared cores the hidden fraction ranges 0.2-0.99 from run to run
-        # (gloo's thread competes with backward for the CPU; when starved, it only runs once
-        # wait() blocks). The >= 70% goal is measured by bench/dp_vs_ddp.py, over many steps.
+        # Not asserted here: with a real CPU backward on two shared cores the hidden fraction ranges
+        # 0.2-0.99 from run to run (gloo's thread competes with backward for the CPU). The >= 70%
+        # goal is asserted where backward leaves the host free, as device compute does
+        # (test_reduction_is_hidden_behind_backward), and measured by bench/dp_vs_ddp.py.
+
+
+class _BusyBackward(torch.autograd.Function):
+    """Identity whose backward keeps the host away for `seconds`, as device compute would: the
+    CPU is free meanwhile, so what overlap can hide depends on the engine alone."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _SlowBackwardStack(torch.nn.Module):
+    """Six 1 MiB layers whose gradients leave in their own buckets, then two small first layers
+    (the last bucket, which no backward can hide)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(512, 8)
+        self.up = torch.nn.Linear(8, 512)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(6))
+
+    def forward(self, x):
+        x = self.up(self.first(x))
+        for layer in self.layers:
+            x = _BusyBackward.apply(layer(x), 0.03)
+        return x.square().mean()
+
+
+def _hidden_worker() -> dict:
+    dist.init_process_group("gloo")
+    grid = make_grid([0, 1], dist.group.WORLD)
+    out = {}
+    for zero in (0, 2):
+        torch.manual_seed(0)
+        model = _SlowBackwardStack()
+        engine = DataParallel(model, grid, zero=zero, bucket_mb=1.0)
+        x = torch.randn(4, 512)
+        exposed = []
+        for _ in range(4):
+            engine.backward(model(x))
+            engine.finish()
+            exposed.append(engine.exposed_comm_s())
+            engine.step(1e-3, engine.grad_norm(), 1.0)
+            engine.zero_grad()
+        out[zero] = {"buckets": len(engine.layout.buckets), "serial_s": engine.time_serial_comm(repeats=5),
+                     "exposed_s": statistics.median(exposed[1:])}
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def test_reduction_is_hidden_behind_backward(cache_dir):
+    """Done-when of data parallelism: with >= 2 buckets at least 70% of the gradient
+    communication is hidden behind backward, for all-reduce (ZeRO 0) and reduce-scatter (ZeRO 2)."""
+    results = run_ranks(_hidden_worker, 2, timeout=180)
+    for zero in (0, 2):
+        res = results[0][zero]
+        assert res["buckets"] >= 7
+        hidden = 1 - res["exposed_s"] / res["serial_s"]
+        print(f"\nzero {zero}: {res['buckets']} buckets, serial {res['serial_s'] * 1e3:.2f} ms, exposed "
+              f"{res['exposed_s'] * 1e3:.2f} ms, hidden {hidden:.3f}")
+        assert hidden >= 0.7
 
 
 def test_gradients_from_outside_autograd_are_folded_in(cache_dir):
