@@ -83,6 +83,9 @@ SECTIONS = [
                          **{f"ep{r['ep']} all-to-all share": r["all_to_all_s"] / r["step_s"] for r in rows[1:]}},
            note="On one CPU box ep trades each rank's share of expert matmuls for all-to-all traffic; the "
                 "ratios show what that exchange costs over gloo, not a speed-up to expect from CPUs."),
+    Script("spans_overhead", "Span recording overhead: log.spans on vs off (tp2 x pp2, 4 ranks)",
+           "--rounds 5 --steps 30 --warmup 5", "--quick",
+           lambda r: {"spans on / off step time": r["on_ms"] / r["off_ms"]}, {"spans on": "<= 1.02"}),
     Script("threed_vs_torch", "Full 3D vs PyTorch's composable stack (FSDP2 + DTensor TP + pipelining)",
            "--rounds 4 --steps 3", "--quick", _threed_ratios,
            {"tokens/s": ">= 1.0", "max loss": "<= 1e-05", "memory": "<= 1.05"}),

@@ -42,7 +42,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 8 steps: indicative only")
     args = ap.parse_args(ours)
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 2, 8, 2
     extra = extra or DEFAULT
     off, on = [], []
     for r in range(args.rounds):
@@ -52,8 +55,10 @@ def main(argv=None) -> dict:
     result = {"off_ms": 1e3 * a, "on_ms": 1e3 * b, "overhead": b / a - 1, "off_rounds_ms": [1e3 * x for x in off],
               "on_rounds_ms": [1e3 * x for x in on], "rounds": args.rounds, "steps": args.steps,
               "config": " ".join(extra)}
-    print(json.dumps(result, indent=1))
-    print(f"| {result['config']} | {a * 1e3:.1f} | {b * 1e3:.1f} | {100 * result['overhead']:+.2f}% |")
+    print(f"{args.rounds} rounds (off/on alternating) x {args.steps} steps, median of round medians")
+    print("| run | spans off (ms/step) | spans on (ms/step) | overhead |")
+    print("|---|---|---|---|")
+    print(f"| `{result['config']}` | {a * 1e3:.1f} | {b * 1e3:.1f} | {100 * result['overhead']:+.2f}% |")
     return result
 
 
