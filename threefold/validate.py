@@ -115,6 +115,8 @@ def validate_train(cfg: Config) -> None:
     _positive("train.threads", t.threads)
     _positive("train.timeout_s", t.timeout_s)
     _positive("train.max_restarts", t.max_restarts, allow_zero=True)
+    _positive("train.nan_rollback_after", t.nan_rollback_after, allow_zero=True)
+    _positive("train.straggler_steps", t.straggler_steps, allow_zero=True)
     _positive("train.recompute_layers", t.recompute_layers, allow_zero=True)
     if t.dtype == "fp16" and t.loss_scale == "none":
         raise ConfigError("train.loss_scale", "fp16 training without loss scaling underflows gradients",

@@ -27,9 +27,12 @@ def _prepare_once(cfg: Config) -> None:
 def run_train(cfg: Config) -> int:
     from threefold.train.worker import run_worker
 
+    from threefold.train.faults import check as check_faults
+
     if under_launcher():
         # Started by torchrun (multi-node, Slurm): this process is one worker.
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
+        check_faults(cfg, int(os.environ["WORLD_SIZE"]))
         run_worker(cfg.to_dict())
         return 0
     validate(cfg)
@@ -40,8 +43,9 @@ def run_train(cfg: Config) -> int:
             from threefold.errors import ConfigError
 
             raise ConfigError("train.device", "cuda was asked for but no CUDA device is visible", "valid: auto, cpu")
-    _prepare_once(cfg)
     world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    check_faults(cfg, world)
+    _prepare_once(cfg)
     if world == 1 and cfg.train.max_restarts == 0:
         run_worker(cfg.to_dict())
         return 0

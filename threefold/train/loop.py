@@ -9,7 +9,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from threefold.checkpoint import find_resumable, load_into, open_checkpoint, save, training_state
+from threefold.checkpoint import find_resumable, load_into, open_checkpoint, training_state
 from threefold.data import GlobalBatchSampler, Prefetcher, load_tokens
 from threefold.distributed.comm import all_reduce_max, all_reduce_sum
 from threefold.distributed.data_parallel import DataParallel, MixedPrecision
@@ -23,6 +23,7 @@ from threefold.errors import DataError
 from threefold.observe import (MetricsWriter, device_peak_flops, mfu, peak_memory_bytes, train_flops_per_token,
                                write_run_json)
 from threefold.train.optim import lr_at
+from threefold.train.resilience import RunGuard, continues_run
 from threefold.train.status import StatusLine
 
 
@@ -94,7 +95,8 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
     p = cfg.parallel
     bubble = bubble_theory(p.schedule, p.pp, p.microbatches, p.vpp) if p.pp > 1 else 0.0
     start_step = resume(cfg, state, engine, log if is_logger else _quiet)
-    metrics = MetricsWriter(cfg.log.dir, enabled=is_logger, append=start_step > 0)
+    metrics = MetricsWriter(cfg.log.dir, enabled=is_logger, append=continues_run(start_step))
+    guard = RunGuard(cfg, grid, chunks, state, start_step, log if is_logger else _quiet)
     if is_logger:
         write_run_json(cfg.log.dir, cfg.to_dict(), grid.describe(), device=device,
                        extra={"data": tokens.source, "peak_flops_per_device": peak, "dtype": str(dtype),
@@ -107,6 +109,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
     last = {}
     with Prefetcher(produce, start_step, t.steps, depth=cfg.data.prefetch) as prefetch:
         for step in range(start_step, t.steps):
+            guard.step_begins(step)
             t0 = time.perf_counter()
             tp_bytes0 = grid.tp.stats.total_bytes
             batches, data_wait = prefetch.get(step)
@@ -115,6 +118,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
             # each chunk's last backward runs outside no_sync so its gradient buckets start
             # reducing over dp while the rest of backward still runs.
             loss_sum, pipe = executor.run(batches, tokens_per_step / engine.loss_scale, no_sync=engine.no_sync)
+            compute_s = guard.compute_time(step, pipe)
             engine.finish()
             # Tensor parallel: replicated parameters whose gradient each TP rank holds a part of
             # (norms under SP, kv heads shared when kv_heads < tp) are summed over the TP group;
@@ -123,6 +127,8 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
             if tied:
                 engine.all_reduce_grads_of(tied, grid.embed)
             grad_norm = engine.grad_norm([grid.pp], exclude=tied_copy)
+            # One all_gather: a NaN/Inf on any rank makes every rank skip; stragglers are named.
+            grad_norm = guard.agree(grad_norm, loss_sum, compute_s, engine)
             applied = engine.step(lr, grad_norm, t.grad_clip)
             engine.zero_grad()
             all_reduce_sum(loss_sum, grid.pp)  # only the last stage computed a loss
@@ -144,10 +150,10 @@ def train(cfg, grid: Grid, device: torch.device, log=print) -> dict:
                 "dp_exposed_s": engine.comm_stats()["dp_exposed_s"], "loss_scale": engine.loss_scale,
                 "step_skipped": not applied,
             }
+            guard.end_step(step, last)  # health counters, checkpoint when due, goodput
             metrics.write(last)
             status.update(step, loss_value, last["tokens_per_s"], last["mfu"])
-            c = cfg.checkpoint
-            if c.dir and ((c.interval and (step + 1) % c.interval == 0) or step + 1 == t.steps):
-                save(c.dir, step + 1, state, cfg.to_dict(), grid.describe(), {"optimizer_step": step + 1}, c.keep)
+            guard.check_rollback(step, metrics)
+    guard.close()
     metrics.close()
     return last

@@ -1,0 +1,144 @@
+"""Training that survives failures: elastic restart with resume, collective timeouts, NaN
+skip and rollback, stragglers, async checkpoints, goodput, fault-injection specs."""
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from harness import run_training
+from threefold.checkpoint import open_checkpoint
+from threefold.errors import ConfigError
+from threefold.train.faults import Fault, parse
+
+BASE = {"train.steps": 8, "train.seed": 0}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, cache_dir):
+    return run_training(BASE, tmp_path_factory.mktemp("straight"), cache_dir)
+
+
+def _cli(args, cache_dir, fault="", timeout=240):
+    env = {**os.environ, "THREEFOLD_FAULT": fault}
+    cmd = [sys.executable, "-m", "threefold", "train", "--data.cache_dir", cache_dir, "--log.quiet", "true", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _metrics(log):
+    return [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fault_specs_parse_and_malformed_ones_are_one_line(tmp_path, cache_dir):
+    assert parse("kill:rank=1:step=5, slow:rank=0:factor=2.5,nan:step=3:count=2") == [
+        Fault("kill", rank=1, step=5), Fault("slow", rank=0, factor=2.5), Fault("nan", step=3, count=2)]
+    for bad, words in [("explode:rank=1", "unknown fault kind"), ("kill:rank=1", "needs step"),
+                       ("slow:rank=1:factor=x", "not a number"), ("kill:rank=1:step=2:when=3", "not a key=value")]:
+        with pytest.raises(ConfigError, match=words):
+            parse(bad)
+    out = _cli(["--parallel.dp", "2", "--log.dir", str(tmp_path / "run")], cache_dir, fault="kill:rank=2:step=1")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "THREEFOLD_FAULT" in out.stderr and "rank 2" in out.stderr
+
+
+def test_killed_rank_restarts_and_resumes_exactly(straight, tmp_path, cache_dir):
+    """A random rank of two dies (SIGKILL) at step 6 and the newest checkpoint (step 4) was
+    corrupted: the agent restarts both, they resume from step 2 and finish with the losses of
+    an uninterrupted run; goodput counts the failure and the three recomputed steps."""
+    log, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    rank = random.randrange(2)
+    out = _cli(["--parallel.dp", "2", "--train.steps", "8", "--train.max_restarts", "1",
+                "--checkpoint.dir", str(ckpt), "--checkpoint.interval", "2", "--log.dir", str(log)],
+               cache_dir, fault=f"kill:rank={rank}:step=5,corrupt:step=4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "skipping checkpoint step_00000004" in out.stdout + out.stderr
+    rows = _metrics(log)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8]
+    final = {r["step"]: r["loss"] for r in rows}  # later lines (after the restart) win
+    assert max(abs(final[s] - straight[s - 1]["loss"]) for s in final) < 1e-5
+    assert [r["loss"] for r in rows[2:5]] == [r["loss"] for r in rows[5:8]]  # recomputed bitwise
+    good = json.loads((log / "goodput.json").read_text())
+    assert len(good["failures"]) == 1 and good["failures"][0]["lost_steps"] == 3
+    assert good["failures"][0]["resumed_at_step"] == 2 and good["failures"][0]["mttr_s"] > 0
+    assert good["steps_kept"] == 8 and good["lost_s"] > 0 and good["recovery_s"] > 0
+    parts = sum(good[k] for k in ("productive_s", "lost_s", "recovery_s", "checkpoint_s", "skipped_s", "other_s"))
+    assert abs(parts - good["wall_s"]) < 1e-6 and 0 < good["goodput"] < 1
+
+
+def test_hung_rank_fails_within_the_timeout(tmp_path, cache_dir):
+    t0 = time.monotonic()
+    out = _cli(["--parallel.dp", "2", "--train.steps", "6", "--train.timeout_s", "5", "--log.dir", str(tmp_path)],
+               cache_dir, fault="hang:rank=1:step=2", timeout=150)
+    elapsed = time.monotonic() - t0
+    assert out.returncode != 0
+    assert "a collective timed out after train.timeout_s = 5 s" in out.stderr, out.stderr[-3000:]
+    assert elapsed < 120  # start-up + 2 steps + 5 s timeout + teardown, far below "forever"
+
+
+def test_nan_step_is_skipped_by_every_rank_and_counted(straight, tmp_path, cache_dir):
+    """NaN on rank 1 only, at step 3: both ranks skip it (or their weights would diverge and
+    ZeRO's gather would mismatch), the weights stay finite and training goes on."""
+    rows = run_training({**BASE, "parallel.dp": 2, "parallel.zero": 1, "train.faults": "nan:step=2:rank=1"},
+                        tmp_path, cache_dir)
+    assert [r["step_skipped"] for r in rows] == [False, False, True] + [False] * 5
+    assert rows[2]["loss"] is None and rows[-1]["steps_skipped"] == 1 and rows[-1]["nonfinite_steps"] == 1
+    assert all(r["loss"] is not None for r in rows[3:])
+    assert rows[3]["loss"] != straight[3]["loss"]  # step 3's update really was left out
+
+
+def test_nan_steps_in_a_row_roll_back_to_the_last_checkpoint(straight, tmp_path, cache_dir):
+    rows = run_training({**BASE, "train.faults": "nan:step=4:count=2", "train.nan_rollback_after": 2,
+                         "checkpoint.dir": tmp_path / "ckpt", "checkpoint.interval": 4}, tmp_path / "log", cache_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+    assert [r["step_skipped"] for r in rows[4:6]] == [True, True]
+    # After the rollback to step 4 the run is the uninterrupted one, bit for bit.
+    assert [r["loss"] for r in rows[6:]] == [r["loss"] for r in straight[4:]]
+    assert rows[-1]["nonfinite_steps"] == 2 and rows[6]["lost_steps"] == 2
+
+
+def test_nan_without_a_checkpoint_to_roll_back_to_is_one_line(tmp_path, cache_dir):
+    out = _cli(["--train.steps", "6", "--train.nan_rollback_after", "2", "--log.dir", str(tmp_path)], cache_dir,
+               fault="nan:step=1:count=2")
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("threefold: error: train: 2 steps")
+    assert "no checkpoint to roll back to" in out.stderr
+
+
+def test_slowed_rank_is_named_as_straggler(tmp_path, cache_dir):
+    rows = run_training({**BASE, "train.steps": 6, "parallel.dp": 2, "train.straggler_steps": 3,
+                         "train.faults": "slow:rank=1:factor=3"}, tmp_path, cache_dir)
+    assert [r["stragglers"] for r in rows] == [[], [], [1], [1], [1], [1]]
+    assert rows[-1]["compute_s_max"] > 1.5 * rows[-1]["compute_s_median"]
+
+
+def _tensors(directory):
+    d, manifest = open_checkpoint(directory)
+    out = {}
+    for file in manifest.files:
+        out.update(torch.load(d / file, weights_only=True))
+    return out
+
+
+def test_async_checkpoints_equal_sync_ones_and_resume_exactly(straight, tmp_path, cache_dir):
+    """Two ranks save asynchronously every 2 steps while training on: each checkpoint holds
+    the state of its own step (the copy was taken before the next step changed it)."""
+    runs = {}
+    for mode in ("true", "false"):
+        run_training({**BASE, "parallel.dp": 2, "parallel.zero": 1, "checkpoint.async": mode,
+                      "checkpoint.dir": tmp_path / mode, "checkpoint.interval": 2, "checkpoint.keep": 0},
+                     tmp_path / f"log-{mode}", cache_dir)
+        runs[mode] = tmp_path / mode
+    assert (runs["true"] / "latest").read_text().strip() == "step_00000008"
+    for step in (2, 4, 6, 8):
+        a, s = _tensors(runs["true"] / f"step_{step:08d}"), _tensors(runs["false"] / f"step_{step:08d}")
+        assert a.keys() == s.keys() and all(torch.equal(a[k], s[k]) for k in a)
+    (runs["true"] / "latest").write_text("step_00000004\n")
+    for step in (6, 8):
+        import shutil
+
+        shutil.rmtree(runs["true"] / f"step_{step:08d}")
+    resumed = run_training({**BASE, "checkpoint.resume": runs["true"]}, tmp_path / "resumed", cache_dir)
+    assert max(abs(r["loss"] - s["loss"]) for r, s in zip(resumed, straight[4:])) < 1e-5
