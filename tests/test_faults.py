@@ -142,3 +142,43 @@ def test_async_checkpoints_equal_sync_ones_and_resume_exactly(straight, tmp_path
         shutil.rmtree(runs["true"] / f"step_{step:08d}")
     resumed = run_training({**BASE, "checkpoint.resume": runs["true"]}, tmp_path / "resumed", cache_dir)
     assert max(abs(r["loss"] - s["loss"]) for r, s in zip(resumed, straight[4:])) < 1e-5
+
+
+def test_losing_a_node_continues_on_the_rest_with_a_smaller_dp(straight, tmp_path, cache_dir):
+    """Two one-process "nodes" under torchrun --nnodes 1:2 (rendezvous store hosted here, as a
+    dedicated host would). Node 1 dies whole at step 6 (agent and worker); node 0's agent
+    re-forms the job alone: dp 0 resolves to 1, the dp-2 checkpoint of step 4 is resharded, the
+    global batch stays 8, and the losses are those of the uninterrupted run."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from harness import free_port
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False,  # noqa: F841
+                     timeout=timedelta(seconds=60))
+    log, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    env = {**os.environ, "THREEFOLD_FAULT": "killnode:rank=1:step=5", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodes",
+           "--rdzv-conf", "is_host=false,last_call_timeout=5", "--max-restarts", "2", "--monitor-interval", "0.5",
+           "-m", "threefold", "train", "--parallel.dp", "0", "--train.steps", "8", "--train.timeout_s", "30",
+           "--checkpoint.dir", str(ckpt), "--checkpoint.interval", "2", "--log.dir", str(log),
+           "--data.cache_dir", cache_dir, "--log.quiet", "true"]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [-9, 0], outs[0][-3000:] + outs[1][-3000:]
+    rows = _metrics(log)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+    assert json.loads((log / "run.json").read_text())["layout"]["dp"] == 1
+    final = {r["step"]: r["loss"] for r in rows}
+    assert max(abs(final[s] - straight[s - 1]["loss"]) for s in final) < 1e-5
+    assert rows[5]["mttr_s"] > 0 and rows[5]["lost_steps"] == 1

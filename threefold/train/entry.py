@@ -32,7 +32,7 @@ def run_train(cfg: Config) -> int:
     if under_launcher():
         # Started by torchrun (multi-node, Slurm): this process is one worker.
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
-        check_faults(cfg, int(os.environ["WORLD_SIZE"]))
+        check_faults(cfg, int(os.environ["WORLD_SIZE"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
         run_worker(cfg.to_dict())
         return 0
     validate(cfg)

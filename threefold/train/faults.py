@@ -5,6 +5,8 @@ A spec is `train.faults` or the environment variable THREEFOLD_FAULT (the variab
 list of faults separated by `,`, each `kind:key=value:key=value`:
 
     kill:rank=1:step=5         rank 1 dies (SIGKILL) as step 5 begins (first attempt only)
+    killnode:rank=1:step=5     rank 1's whole node dies: its elastic agent (the worker's parent)
+                               and every worker of that agent (Linux; first attempt only)
     hang:rank=0:step=3         rank 0 stops making progress at step 3 (first attempt only)
     slow:rank=1:factor=3       rank 1's compute takes 3x as long, from step 0 (or :step=S on)
     nan:step=4                 the loss of step 4 is NaN on every rank (or :rank=R only);
@@ -30,7 +32,7 @@ from torch import nn
 from threefold.errors import ConfigError
 
 ENV = "THREEFOLD_FAULT"
-KINDS = {"kill": ({"rank", "step"}, set()), "hang": ({"rank", "step"}, set()),
+KINDS = {"kill": ({"rank", "step"}, set()), "killnode": ({"rank", "step"}, set()), "hang": ({"rank", "step"}, set()),
          "slow": ({"rank", "factor"}, {"step"}), "nan": ({"step"}, {"rank", "count"}),
          "corrupt": ({"step"}, {"file"})}
 VALID = "e.g. kill:rank=1:step=5, hang:rank=0:step=3, slow:rank=1:factor=3, nan:step=4:count=2, corrupt:step=4"
@@ -85,11 +87,12 @@ def spec_of(cfg) -> tuple[str, str]:
     return (env, ENV) if env else (cfg.train.faults, "train.faults")
 
 
-def check(cfg, world_size: int) -> None:
-    """Refuse a malformed spec, or a rank outside the world, before any worker starts."""
+def check(cfg, world_size: int, restart_count: int = 0) -> None:
+    """Refuse a malformed spec, or a rank outside the world, before any worker starts. After a
+    restart the world may have shrunk (a node left): a fault for a rank now gone is moot."""
     spec, key = spec_of(cfg)
     for f in parse(spec, key):
-        if f.rank is not None and f.rank >= world_size:
+        if f.rank is not None and f.rank >= world_size and restart_count == 0:
             raise ConfigError(key, f"{f.kind} names rank {f.rank} but the world has {world_size} ranks",
                               f"valid: 0 to {world_size - 1}")
 
@@ -127,13 +130,15 @@ class FaultInjector:
         """Kill or hang this rank, or arm the NaN hook, as the spec says for `step`.
         `on_fault` is told first (goodput records when the failure happened)."""
         self._poison = self._take("nan", step) is not None
-        for kind in ("kill", "hang"):
+        for kind in ("kill", "killnode", "hang"):
             fault = self._take(kind, step)
             if fault is None:
                 continue
             on_fault(fault)
             print(f"threefold: fault injection: {kind} rank {self.rank} at step {step}", file=sys.stderr, flush=True)
-            if kind == "kill":
+            if kind == "killnode":
+                _kill_node()
+            if kind in ("kill", "killnode"):
                 os.kill(os.getpid(), signal.SIGKILL)
             while True:  # a hang: only the collective timeout of the other ranks ends it
                 time.sleep(3600)
@@ -159,3 +164,18 @@ class FaultInjector:
         path.write_bytes(bytes(data))
         print(f"threefold: fault injection: corrupted {path}", file=sys.stderr, flush=True)
 
+
+
+def _kill_node() -> None:
+    """SIGKILL this worker's agent and the agent's other workers (found through /proc):
+    the node is gone at once, as when a machine loses power."""
+    agent, me = os.getppid(), os.getpid()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != me:
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == agent:
+                os.kill(int(entry.name), signal.SIGKILL)
+    os.kill(agent, signal.SIGKILL)

@@ -78,10 +78,14 @@ def run_worker(cfg_dict: dict) -> dict:
         print(f"threefold: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
     except RuntimeError as err:
-        if "timed out" not in str(err).lower():
+        # A peer stopped answering or died: fail this worker with one line (the elastic agent
+        # restarts the group or gives up) instead of waiting forever or dumping a traceback.
+        text = str(err).lower()
+        if "timed out" in text:
+            why = f"a collective timed out after train.timeout_s = {cfg.train.timeout_s:g} s (a peer is hung or dead)"
+        elif "connection closed by peer" in text or "connection reset" in text:
+            why = "a peer closed its connection (a worker or node died)"
+        else:
             raise
-        # A peer stopped answering: fail this worker (the elastic agent restarts the group or
-        # gives up) with one line instead of waiting forever.
-        print(f"threefold: rank {env.rank}: a collective timed out after train.timeout_s = {cfg.train.timeout_s:g} s "
-              f"(a peer is hung or dead): {str(err).splitlines()[0][-160:]}", file=sys.stderr, flush=True)
+        print(f"threefold: rank {env.rank}: {why}: {str(err).splitlines()[0][-160:]}", file=sys.stderr, flush=True)
         sys.exit(1)
