@@ -156,7 +156,7 @@ def test_losing_a_node_continues_on_the_rest_with_a_smaller_dp(straight, tmp_pat
     from harness import free_port
 
     port = free_port()
-    store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False,  # noqa: F841
+    store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False,
                      timeout=timedelta(seconds=60))
     log, ckpt = tmp_path / "run", tmp_path / "ckpt"
     env = {**os.environ, "THREEFOLD_FAULT": "killnode:rank=1:step=5", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -174,6 +174,7 @@ def test_losing_a_node_continues_on_the_rest_with_a_smaller_dp(straight, tmp_pat
     finally:
         for p in procs:
             p.kill()
+        del store  # the rendezvous host goes last
     codes = sorted(p.returncode for p in procs)
     assert codes == [-9, 0], outs[0][-3000:] + outs[1][-3000:]
     rows = _metrics(log)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import torch.distributed as dist
 
@@ -75,7 +74,3 @@ class Checkpointer:
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
-
-    @property
-    def directory(self) -> Path:
-        return Path(self.root)

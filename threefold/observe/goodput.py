@@ -71,7 +71,7 @@ class Goodput:
         self.lost_s = self.recovery_s = self.checkpoint_s = 0.0
         self.failures: list[dict] = []
         self.prev: dict | None = None
-        self.previous_counters: dict = {}
+        self.previous_counters: dict = {}  # the last record's run-long counters (skipped steps ...)
         self._faults: list[float] = []
         if not enabled:
             return

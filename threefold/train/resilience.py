@@ -39,6 +39,8 @@ class RunGuard:
         self.health = StepHealth(grid.world, t.nan_rollback_after, t.straggler_steps,
                                  log if is_logger else (lambda *_: None))
         self.goodput = Goodput(cfg.log.dir, enabled=is_logger, continuing=continues_run(start_step))
+        # Events of the whole run, every attempt included (steps lost to a failure too): a NaN
+        # that forced a rollback still happened. Rank 0 reports them; it read the records.
         self.health.skipped = self.goodput.previous_counters.get("steps_skipped", 0)
         self.health.nonfinite = self.goodput.previous_counters.get("nonfinite_steps", 0)
         self.ckpt = None
