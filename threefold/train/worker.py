@@ -6,6 +6,7 @@ in-process for a single-device run.
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -70,7 +71,8 @@ def run_worker(cfg_dict: dict) -> dict:
         layout.check_placement(cfg.parallel.devices_per_node or env.local_world_size,
                                cfg.parallel.allow_tp_across_nodes)
         resume_after_restart(cfg, env.restart_count)
-        result = train_rolling_back(cfg, Grid.build(layout), device)
+        grid = Grid.build(layout, timeout=timedelta(seconds=cfg.train.timeout_s))
+        result = train_rolling_back(cfg, grid, device)
         shutdown_distributed()
         return result
     except UserError as err:
