@@ -45,6 +45,42 @@ def test_fault_specs_parse_and_malformed_ones_are_one_line(tmp_path, cache_dir):
     assert "THREEFOLD_FAULT" in out.stderr and "rank 2" in out.stderr
 
 
+def test_stragglers_are_measured_against_ranks_of_the_same_pipeline_stage():
+    """Stage 1 is uniformly twice as slow as stage 0 (it computes the head): nobody is named.
+    Rank 3 computes 3x its stage peer for three steps: it is, once; then it recovers."""
+    from types import SimpleNamespace
+
+    from threefold.train.health import StepHealth
+
+    lines = []
+    health = StepHealth(SimpleNamespace(size=4), rollback_after=0, straggler_steps=3, log=lines.append,
+                        stage_of=[0, 0, 1, 1])
+    for _ in range(4):
+        health._stragglers(torch.tensor([1.0, 1.1, 2.0, 2.1]))
+    assert health.named == set() and lines == []
+    for _ in range(3):
+        health._stragglers(torch.tensor([1.0, 1.1, 2.0, 6.0]))
+    assert health.named == {3} and len(lines) == 1 and "rank 3 computed 3.0x the median" in lines[0]
+    health._stragglers(torch.tensor([1.0, 1.1, 2.0, 2.1]))
+    assert health.named == set() and "no longer" in lines[-1]
+
+
+def test_nonfinite_loss_on_one_rank_poisons_the_norm_and_counts():
+    from types import SimpleNamespace
+
+    from threefold.train.health import StepHealth
+
+    health = StepHealth(SimpleNamespace(size=1), rollback_after=2, straggler_steps=0)
+    norm = health.agree(torch.tensor(1.5), torch.tensor(float("inf")), 0.1, scaler_enabled=False)
+    assert norm.isnan() and health.record(0, applied=False)["nonfinite_steps"] == 1 and not health.rollback_due
+    # A non-finite gradient under loss scaling is an fp16 overflow: skipped, not a divergence.
+    norm = health.agree(torch.tensor(float("inf")), torch.tensor(2.0), 0.1, scaler_enabled=True)
+    assert norm.isnan() and health.nonfinite == 1 and health.in_a_row == 0
+    health.agree(torch.tensor(1.0), torch.tensor(float("nan")), 0.1, scaler_enabled=True)
+    health.agree(torch.tensor(1.0), torch.tensor(float("nan")), 0.1, scaler_enabled=True)
+    assert health.rollback_due and health.record(3, applied=False)["steps_skipped"] == 2
+
+
 def test_killed_rank_restarts_and_resumes_exactly(straight, tmp_path, cache_dir):
     """A random rank of two dies (SIGKILL) at step 6 and the newest checkpoint (step 4) was
     corrupted: the agent restarts both, they resume from step 2 and finish with the losses of

@@ -4,7 +4,9 @@ whether its loss or gradient was finite.
 From it every rank takes the same two decisions: skip the step when any rank saw a NaN/Inf
 (the engine's overflow path, so AdamW never sees it), and roll back to the last checkpoint
 after `train.nan_rollback_after` such steps in a row. Rank 0 also names stragglers: a rank
-whose compute time stays above 1.5x the median for `train.straggler_steps` steps in a row.
+whose compute time stays above 1.5x the median of its peers for `train.straggler_steps` steps
+in a row. Peers are the ranks of the same pipeline stage (stages do different work: the last
+one computes the head and loss); with one rank per stage, all ranks.
 """
 from __future__ import annotations
 
@@ -25,10 +27,15 @@ class NonFiniteRollback(RuntimeError):
 
 
 class StepHealth:
-    def __init__(self, world_group, rollback_after: int, straggler_steps: int, log=print):
+    def __init__(self, world_group, rollback_after: int, straggler_steps: int, log=print,
+                 stage_of: list[int] | None = None):
+        """`stage_of[r]`: rank r's pipeline stage (None: all ranks do the same work)."""
         self.world, self.rollback_after, self.straggler_steps, self.log = world_group, rollback_after, \
             straggler_steps, log
         n = world_group.size
+        stage_of = stage_of or [0] * n
+        peers = [[r for r in range(n) if stage_of[r] == s] for s in sorted(set(stage_of))]
+        self.peers = peers if any(len(g) > 1 for g in peers) else [list(range(n))]
         self.slow_streak = [0] * n
         self.named: set[int] = set()
         self.skipped = 0
@@ -62,20 +69,24 @@ class StepHealth:
         return grad_norm
 
     def _stragglers(self, times: torch.Tensor) -> None:
-        if not self.straggler_steps or times.numel() < 2:
+        if not self.straggler_steps:
             return
-        # The lower median (torch.median) of two ranks is the faster one: a rank is measured
-        # against the typical rank, not against an average it drags up itself.
-        median = float(times.median())
-        for r, t in enumerate(times.tolist()):
-            self.slow_streak[r] = self.slow_streak[r] + 1 if t > STRAGGLER_RATIO * median else 0
-            if self.slow_streak[r] >= self.straggler_steps and r not in self.named:
-                self.named.add(r)
-                self.log(f"threefold: straggler: rank {r} computed {t / median:.1f}x the median "
-                         f"({t * 1e3:.0f} ms vs {median * 1e3:.0f} ms) for {self.slow_streak[r]} steps in a row")
-            elif self.slow_streak[r] == 0 and r in self.named:
-                self.named.discard(r)
-                self.log(f"threefold: rank {r} is no longer a straggler")
+        for group in self.peers:
+            if len(group) < 2:
+                continue
+            # The lower median (torch.median) of two ranks is the faster one: a rank is measured
+            # against the typical rank, not against an average it drags up itself.
+            median = float(times[group].median())
+            for r in group:
+                t = float(times[r])
+                self.slow_streak[r] = self.slow_streak[r] + 1 if t > STRAGGLER_RATIO * median else 0
+                if self.slow_streak[r] >= self.straggler_steps and r not in self.named:
+                    self.named.add(r)
+                    self.log(f"threefold: straggler: rank {r} computed {t / median:.1f}x the median "
+                             f"({t * 1e3:.0f} ms vs {median * 1e3:.0f} ms) for {self.slow_streak[r]} steps in a row")
+                elif self.slow_streak[r] == 0 and r in self.named:
+                    self.named.discard(r)
+                    self.log(f"threefold: rank {r} is no longer a straggler")
 
     def record(self, step: int, applied: bool) -> dict:
         """Counters of the run so far, for the metrics of the step just taken."""

@@ -37,7 +37,8 @@ class RunGuard:
         self.faults = FaultInjector.from_config(cfg, grid.global_rank, WorkerEnv.from_environ().restart_count)
         self.faults.install(chunks)
         self.health = StepHealth(grid.world, t.nan_rollback_after, t.straggler_steps,
-                                 log if is_logger else (lambda *_: None))
+                                 log if is_logger else (lambda *_: None),
+                                 stage_of=[grid.layout.coords(r)["pp"] for r in range(grid.world.size)])
         self.goodput = Goodput(cfg.log.dir, enabled=is_logger, continuing=continues_run(start_step))
         # Events of the whole run, every attempt included (steps lost to a failure too): a NaN
         # that forced a rollback still happened. Rank 0 reports them; it read the records.
