@@ -45,6 +45,18 @@ def test_fault_specs_parse_and_malformed_ones_are_one_line(tmp_path, cache_dir):
     assert "THREEFOLD_FAULT" in out.stderr and "rank 2" in out.stderr
 
 
+def test_checkpoint_async_is_the_key_of_a_keyword_named_field():
+    from threefold.config import build_config, describe
+    from threefold.validate import validate
+
+    assert build_config(None, [("checkpoint.async", "true")]).checkpoint.async_save is True
+    assert "checkpoint.async = False" in describe("checkpoint")
+    with pytest.raises(ConfigError, match="checkpoint.async: true needs checkpoint.dir"):
+        validate(build_config(None, [("checkpoint.async", "true")]))
+    with pytest.raises(ConfigError, match="did you mean 'checkpoint.async'"):
+        build_config(None, [("checkpoint.asyn", "true")])
+
+
 def test_stragglers_are_measured_against_ranks_of_the_same_pipeline_stage():
     """Stage 1 is uniformly twice as slow as stage 0 (it computes the head): nobody is named.
     Rank 3 computes 3x its stage peer for three steps: it is, once; then it recovers."""

@@ -102,6 +102,8 @@ def _not_yet(cfg: Config) -> None:
                           "set --checkpoint.dir DIR or resume from a path")
     if c.interval and not c.dir:
         raise ConfigError("checkpoint.interval", f"{c.interval} needs checkpoint.dir", "set --checkpoint.dir DIR")
+    if c.async_save and not c.dir:
+        raise ConfigError("checkpoint.async", "true needs checkpoint.dir", "set --checkpoint.dir DIR")
     if c.keep < 0:
         raise ConfigError("checkpoint.keep", f"must be >= 0, got {c.keep}")
 
