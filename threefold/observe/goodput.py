@@ -5,7 +5,8 @@
                    older checkpoint (restart, rollback)
     recovery_s     per failure, from the failure to the start of the first step after it
                    (restart, start-up, checkpoint load): MTTR minus that step's own time
-    checkpoint_s   time the loop was blocked by checkpoint saves
+    checkpoint_s   time the loop was blocked by checkpoint saves (and the end of training by
+                   the last asynchronous one)
     skipped_s      steps taken but not applied (NaN/Inf, fp16 overflow)
     other_s        the rest: start-up of the first attempt, logging, data set-up
 
@@ -135,5 +136,5 @@ class Goodput:
         path = self.dir / SUMMARY
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(SUMMARY + ".tmp")
-        tmp.write_text(json.dumps(self.summary(self.prev["time"] if self.prev else None), indent=1) + "\n")
+        tmp.write_text(json.dumps(self.summary(), indent=1) + "\n")
         os.replace(tmp, path)

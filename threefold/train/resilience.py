@@ -12,6 +12,7 @@ See faults.py, health.py, checkpoint/writer.py and observe/goodput.py.
 """
 from __future__ import annotations
 
+import time
 import uuid
 
 import torch
@@ -79,6 +80,9 @@ class RunGuard:
             raise NonFiniteRollback(step, self.health.in_a_row)
 
     def close(self) -> None:
+        """Wait for the save in flight (the end of training blocks on it too) and write the summary."""
         if self.ckpt is not None:
+            t0 = time.perf_counter()
             self.ckpt.close()
+            self.goodput.checkpoint_s += time.perf_counter() - t0
         self.goodput.write()
