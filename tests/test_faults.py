@@ -173,6 +173,37 @@ def _tensors(directory):
     return out
 
 
+def test_async_save_returns_before_writing_and_saves_the_state_of_its_step(tmp_path, monkeypatch):
+    """The save call returns while the files are still being written (`latest` not yet
+    moved); the optimizer step that follows must not leak into the checkpoint."""
+    import torch.distributed as dist
+
+    import threefold.checkpoint.io as io
+    from threefold.checkpoint import LocalTensor
+    from threefold.checkpoint.writer import Checkpointer
+
+    real_save = torch.save
+
+    def slow_save(obj, f):
+        time.sleep(0.5)
+        real_save(obj, f)
+
+    monkeypatch.setattr(io.torch, "save", slow_save)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        weight = torch.zeros(1000)
+        ckpt = Checkpointer(str(tmp_path), [LocalTensor("model/w", weight, (1000,), (0,), True)], {}, {}, keep=0,
+                            asynchronous=True)
+        blocked = ckpt.save(1, {"optimizer_step": 1})
+        assert blocked < 0.5 and not (tmp_path / "latest").exists()
+        weight.add_(1.0)  # the next optimizer step, while the save is in flight
+        ckpt.close()
+    finally:
+        dist.destroy_process_group()
+    assert (tmp_path / "latest").read_text().strip() == "step_00000001"
+    assert torch.equal(_tensors(tmp_path)["model/w@0"], torch.zeros(1000))
+
+
 def test_async_checkpoints_equal_sync_ones_and_resume_exactly(straight, tmp_path, cache_dir):
     """Two ranks save asynchronously every 2 steps while training on: each checkpoint holds
     the state of its own step (the copy was taken before the next step changed it)."""
