@@ -60,7 +60,7 @@ def test_checkpoint_async_is_the_key_of_a_keyword_named_field():
 
 def test_stragglers_are_measured_against_ranks_of_the_same_pipeline_stage():
     """Stage 1 is uniformly twice as slow as stage 0 (it computes the head): nobody is named.
-    Rank 3 computes 3x its stage peer for three steps: it is, once; then it recovers."""
+    Rank 3 computes 3x its stage peer for three steps: it is, once; three normal steps clear it."""
     from types import SimpleNamespace
 
     from threefold.train.health import StepHealth
@@ -75,6 +75,10 @@ def test_stragglers_are_measured_against_ranks_of_the_same_pipeline_stage():
         health._stragglers(torch.tensor([1.0, 1.1, 2.0, 6.0]))
     assert health.named == {3} and len(lines) == 1 and "rank 3 computed 3.0x the median" in lines[0]
     health._stragglers(torch.tensor([1.0, 1.1, 2.0, 2.1]))
+    health._stragglers(torch.tensor([1.0, 1.1, 2.0, 6.0]))  # one noisy step does not clear or re-name it
+    assert health.named == {3} and len(lines) == 1
+    for _ in range(3):
+        health._stragglers(torch.tensor([1.0, 1.1, 2.0, 2.1]))
     assert health.named == set() and "no longer" in lines[-1]
 
 
@@ -160,8 +164,11 @@ def test_nan_without_a_checkpoint_to_roll_back_to_is_one_line(tmp_path, cache_di
 
 def test_slowed_rank_is_named_as_straggler(tmp_path, cache_dir):
     rows = run_training({**BASE, "train.steps": 6, "parallel.dp": 2, "train.straggler_steps": 3,
-                         "train.faults": "slow:rank=1:factor=3"}, tmp_path, cache_dir)
-    assert [r["stragglers"] for r in rows] == [[], [], [1], [1], [1], [1]]
+                         "train.faults": "slow:rank=1:factor=6"}, tmp_path, cache_dir)
+    named = [r["stragglers"] for r in rows]
+    # Never before three slow steps, never the fast rank; named by the end (factor 6 leaves room
+    # for noise on a shared machine: the fast rank would have to be 4x slower than usual).
+    assert named[:2] == [[], []] and all(n in ([], [1]) for n in named) and named[-1] == [1], named
     assert rows[-1]["compute_s_max"] > 1.5 * rows[-1]["compute_s_median"]
 
 

@@ -37,6 +37,7 @@ class StepHealth:
         peers = [[r for r in range(n) if stage_of[r] == s] for s in sorted(set(stage_of))]
         self.peers = peers if any(len(g) > 1 for g in peers) else [list(range(n))]
         self.slow_streak = [0] * n
+        self.fast_streak = [0] * n
         self.named: set[int] = set()
         self.skipped = 0
         self.nonfinite = 0
@@ -79,12 +80,16 @@ class StepHealth:
             median = float(times[group].median())
             for r in group:
                 t = float(times[r])
-                self.slow_streak[r] = self.slow_streak[r] + 1 if t > STRAGGLER_RATIO * median else 0
+                slow = t > STRAGGLER_RATIO * median
+                self.slow_streak[r] = self.slow_streak[r] + 1 if slow else 0
+                self.fast_streak[r] = 0 if slow else self.fast_streak[r] + 1
                 if self.slow_streak[r] >= self.straggler_steps and r not in self.named:
                     self.named.add(r)
                     self.log(f"threefold: straggler: rank {r} computed {t / median:.1f}x the median "
                              f"({t * 1e3:.0f} ms vs {median * 1e3:.0f} ms) for {self.slow_streak[r]} steps in a row")
-                elif self.slow_streak[r] == 0 and r in self.named:
+                # As many normal steps to be cleared as slow ones to be named: one noisy step of
+                # its peers does not toggle a rank in and out of the list.
+                elif self.fast_streak[r] >= self.straggler_steps and r in self.named:
                     self.named.discard(r)
                     self.log(f"threefold: rank {r} is no longer a straggler")
 
