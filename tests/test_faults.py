@@ -233,7 +233,7 @@ def test_async_checkpoints_equal_sync_ones_and_resume_exactly(straight, tmp_path
 
 def test_losing_a_node_continues_on_the_rest_with_a_smaller_dp(straight, tmp_path, cache_dir):
     """Two one-process "nodes" under torchrun --nnodes 1:2 (rendezvous store hosted here, as a
-    dedicated host would). Node 1 dies whole at step 6 (agent and worker); node 0's agent
+    dedicated host would; both nodes must join within last_call_timeout of each other). Node 1 dies whole at step 6 (agent and worker); node 0's agent
     re-forms the job alone: dp 0 resolves to 1, the dp-2 checkpoint of step 4 is resharded, the
     global batch stays 8, and the losses are those of the uninterrupted run."""
     from datetime import timedelta
@@ -250,7 +250,7 @@ def test_losing_a_node_continues_on_the_rest_with_a_smaller_dp(straight, tmp_pat
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodes",
-           "--rdzv-conf", "is_host=false,last_call_timeout=5", "--max-restarts", "2", "--monitor-interval", "0.5",
+           "--rdzv-conf", "is_host=false,last_call_timeout=15", "--max-restarts", "2", "--monitor-interval", "0.5",
            "-m", "threefold", "train", "--parallel.dp", "0", "--train.steps", "8", "--train.timeout_s", "30",
            "--checkpoint.dir", str(ckpt), "--checkpoint.interval", "2", "--log.dir", str(log),
            "--data.cache_dir", cache_dir, "--log.quiet", "true"]
