@@ -16,9 +16,10 @@ from typing import Any
 from threefold.errors import ConfigError
 
 
-def knob(default: Any, doc: str, choices: tuple | None = None) -> Any:
-    """A config field with its one-line doc (and optional allowed values)."""
-    return field(default=default, metadata={"doc": doc, "choices": choices})
+def knob(default: Any, doc: str, choices: tuple | None = None, key: str | None = None) -> Any:
+    """A config field with its one-line doc (and optional allowed values). `key` is the name
+    in TOML and on the command line when the field's own name cannot be it (a Python keyword)."""
+    return field(default=default, metadata={"doc": doc, "choices": choices, "key": key})
 
 
 @dataclass
@@ -101,7 +102,10 @@ class TrainConfig:
     device: str = knob("auto", "Device type: auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
     threads: int = knob(1, "Intra-op threads per worker on CPU")
     timeout_s: float = knob(300.0, "Collective timeout: a hung rank fails the job after this long")
-    max_restarts: int = knob(0, "Times the elastic agent restarts failed workers")
+    max_restarts: int = knob(0, "Times the elastic agent restarts failed workers (they resume from checkpoint.dir)")
+    nan_rollback_after: int = knob(3, "Reload the last checkpoint after this many non-finite steps in a row (0 = never)")
+    straggler_steps: int = knob(5, "Name a rank whose compute stays above 1.5x the median this many steps (0 = off)")
+    faults: str = knob("", "Fault injection for drills, e.g. 'kill:rank=1:step=5' ($THREEFOLD_FAULT overrides)")
     eval_every: int = knob(0, "Validation loss on the held-out tokens every N steps (0 = off; needs data.val_fraction)")
     eval_sequences: int = knob(64, "Held-out sequences one evaluation reads (0 = every held-out window)")
 
@@ -128,6 +132,8 @@ class CheckpointConfig:
     interval: int = knob(0, "Save every N steps (0 = only at the end when dir is set)")
     resume: str = knob("", "'' = start fresh, 'auto' = newest verified checkpoint in dir (if any), or a path")
     keep: int = knob(3, "Keep the newest N checkpoints (0 = all); the newest verified one is never deleted")
+    async_save: bool = knob(False, "Write checkpoints in the background; the loop pays only the copy to host memory",
+                            key="async")
     init_from: str = knob("", "Checkpoint whose model weights start a fresh run (e.g. from import-hf): optimizer, "
                           "step and data start anew; unused when resume finds a checkpoint")
 
@@ -202,8 +208,13 @@ def field_doc(section: str, key: str) -> str:
     return f.metadata.get("doc", "")
 
 
+def _key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key") or f.name
+
+
 def _fields(section: str) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(_section_type(section))}
+    """Fields of a section by their TOML/command-line key."""
+    return {_key(f): f for f in dataclasses.fields(_section_type(section))}
 
 
 def _section_type(section: str) -> type:
@@ -256,7 +267,7 @@ def set_key(cfg: Config, dotted: str, raw: Any) -> None:
         full = [f"{section}.{k}" for k in fields]
         hint = _did_you_mean(dotted, full + [f"{s}.{k}" for s in SECTIONS for k in _fields(s) if s != section])
         raise ConfigError(dotted, "unknown key", hint)
-    setattr(getattr(cfg, section), key, _coerce(dotted, fields[key], raw))
+    setattr(getattr(cfg, section), fields[key].name, _coerce(dotted, fields[key], raw))
 
 
 def read_toml_file(path: str, key: str) -> dict:
@@ -321,5 +332,5 @@ def describe(section: str | None = None) -> str:
     for s in SECTIONS if section is None else (section,):
         lines.append(f"[{s}]")
         for f in dataclasses.fields(_section_type(s)):
-            lines.append(f"  {s}.{f.name} = {f.default!r}  # {f.metadata.get('doc', '')}")
+            lines.append(f"  {s}.{_key(f)} = {f.default!r}  # {f.metadata.get('doc', '')}")
     return "\n".join(lines)

@@ -126,6 +126,8 @@ def _checkpoint_keys(cfg: Config) -> None:
                           "set --checkpoint.dir DIR or resume from a path")
     if c.interval and not c.dir:
         raise ConfigError("checkpoint.interval", f"{c.interval} needs checkpoint.dir", "set --checkpoint.dir DIR")
+    if c.async_save and not c.dir:
+        raise ConfigError("checkpoint.async", "true needs checkpoint.dir", "set --checkpoint.dir DIR")
     if c.keep < 0:
         raise ConfigError("checkpoint.keep", f"must be >= 0, got {c.keep}")
 
@@ -139,6 +141,8 @@ def validate_train(cfg: Config) -> None:
     _positive("train.threads", t.threads)
     _positive("train.timeout_s", t.timeout_s)
     _positive("train.max_restarts", t.max_restarts, allow_zero=True)
+    _positive("train.nan_rollback_after", t.nan_rollback_after, allow_zero=True)
+    _positive("train.straggler_steps", t.straggler_steps, allow_zero=True)
     _positive("train.recompute_layers", t.recompute_layers, allow_zero=True)
     if t.dtype == "fp16" and t.loss_scale == "none":
         raise ConfigError("train.loss_scale", "fp16 training without loss scaling underflows gradients",

@@ -21,29 +21,48 @@ from threefold.checkpoint.manifest import (LATEST, MANIFEST, CheckpointError, Ma
 from threefold.checkpoint.state import LocalTensor
 
 
+def snapshot(tensors: list[LocalTensor], copy: bool) -> list[tuple[LocalTensor, torch.Tensor]]:
+    """This rank's tensors to write, on the host. `copy=True` clones them (an async save must
+    not see the next optimizer step); a synchronous save writes CPU tensors in place."""
+    out = []
+    for t in tensors:
+        if t.write:
+            host = t.tensor.detach().to("cpu", copy=copy)
+            out.append((t, host.contiguous()))
+    return out
+
+
 def save(root: str | Path, step: int, tensors: list[LocalTensor], config: dict, layout: dict,
          extra: dict | None = None, keep: int = 0) -> Path | None:
-    """Write a checkpoint of `step`; returns its directory on rank 0."""
+    """Write a checkpoint of `step` (collective over the default group); returns its directory
+    on rank 0."""
+    return write(root, step, snapshot(tensors, copy=False), config, layout, extra, keep)
+
+
+def write(root: str | Path, step: int, shards: list[tuple[LocalTensor, torch.Tensor]], config: dict,
+          layout: dict, extra: dict | None = None, keep: int = 0, group=None) -> Path | None:
+    """Write, verify and publish a snapshot: collective over `group` (None = the default
+    group); returns the published directory on rank 0."""
     root, rank = Path(root), dist.get_rank()
     final, tmp = root / step_dir_name(step), root / (step_dir_name(step) + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
         tmp.mkdir(parents=True)
-    dist.barrier()
+    dist.barrier(group=group)
     file = f"rank{rank:05d}.pt"
     # A rank may hold several rectangles of one tensor (ZeRO cuts anywhere): key by name and offsets.
-    key = {id(t): f"{t.name}@{','.join(map(str, t.offsets))}" for t in tensors}
-    mine = {key[id(t)]: t.tensor.detach().cpu().contiguous() for t in tensors if t.write}
+    key = {id(t): f"{t.name}@{','.join(map(str, t.offsets))}" for t, _ in shards}
+    mine = {key[id(t)]: host for t, host in shards}
     path = tmp / file
     with open(path, "wb") as f:
         torch.save(mine, f)
         f.flush()
         os.fsync(f.fileno())
     report = {"file": file, "bytes": path.stat().st_size, "sha256": sha256_of(path),
-              "tensors": [(t.name, key[id(t)], list(t.global_shape), str(t.tensor.dtype).replace("torch.", ""),
-                           list(t.offsets), list(t.lengths)) for t in tensors if t.write]}
+              "tensors": [(t.name, key[id(t)], list(t.global_shape), str(host.dtype).replace("torch.", ""),
+                           list(t.offsets), list(t.lengths)) for t, host in shards]}
     reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
+    dist.all_gather_object(reports, report, group=group)
     if rank == 0:
         entries: dict[str, TensorEntry] = {}
         for r in reports:
@@ -59,7 +78,7 @@ def save(root: str | Path, step: int, tensors: list[LocalTensor], config: dict, 
         fsync_dir(root)
         write_atomic(root / LATEST, final.name + "\n")
         _prune(root, keep)
-    dist.barrier()
+    dist.barrier(group=group)
     return final if rank == 0 else None
 
 

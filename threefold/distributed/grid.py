@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -178,8 +179,10 @@ class Grid:
         self.world = groups["world"]
 
     @classmethod
-    def build(cls, layout: RankLayout) -> "Grid":
-        """Create every group (all ranks must call this, in the same order)."""
+    def build(cls, layout: RankLayout, timeout: timedelta | None = None) -> "Grid":
+        """Create every group (all ranks must call this, in the same order). `timeout` bounds
+        each collective on the sub-groups (torch would give them its own default, not the
+        world group's): a hung peer becomes an error instead of a wait of half an hour."""
         rank, world = dist.get_rank(), dist.get_world_size()
         if layout.world_size != world:
             raise ConfigError("parallel", f"dp*tp*pp*cp = {layout.world_size} but the world has {world} processes",
@@ -188,7 +191,7 @@ class Grid:
         for name, lists in layout.group_lists().items():
             for ranks in lists:
                 # new_group is collective over the whole world: every rank creates every group.
-                pg = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+                pg = dist.new_group(ranks, timeout=timeout) if len(ranks) < world else dist.group.WORLD
                 if rank in ranks:
                     groups[name] = Group(name, ranks, pg)
         return cls(layout, rank, groups)

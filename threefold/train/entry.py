@@ -27,11 +27,13 @@ def _prepare_once(cfg: Config) -> None:
 def start_workers(cfg: Config, measure_memory: bool = False):
     """Validate, prepare shared state once, run the workers; returns rank 0's result.
     Raises WorkersFailed when a worker failed (it has printed its own reason)."""
+    from threefold.train.faults import check as check_faults
     from threefold.train.worker import run_worker
 
     if under_launcher():
         # Started by torchrun (multi-node, Slurm): this process is one worker.
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
+        check_faults(cfg, int(os.environ["WORLD_SIZE"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
         return run_worker(cfg.to_dict(), measure_memory)
     validate(cfg)
     if cfg.train.device == "cuda":
@@ -41,8 +43,9 @@ def start_workers(cfg: Config, measure_memory: bool = False):
             from threefold.errors import ConfigError
 
             raise ConfigError("train.device", "cuda was asked for but no CUDA device is visible", "valid: auto, cpu")
-    _prepare_once(cfg)
     world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    check_faults(cfg, world)
+    _prepare_once(cfg)
     if world == 1 and cfg.train.max_restarts == 0:
         return run_worker(cfg.to_dict(), measure_memory)
     from threefold.distributed.launch import launch

@@ -9,7 +9,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from threefold.checkpoint import find_resumable, load_into, open_checkpoint, save, training_state
+from threefold.checkpoint import find_resumable, load_into, open_checkpoint, training_state
 from threefold.data import GlobalBatchSampler, Prefetcher, load_tokens
 from threefold.data.split import training_part
 from threefold.data.tokenizer import check_vocab, open_tokenizer
@@ -28,6 +28,7 @@ from threefold.observe import (MetricsWriter, device_peak_flops, mfu, peak_memor
 from threefold.observe.observer import StepObserver
 from threefold.train.expert_load import ExpertLoad
 from threefold.train.optim import lr_at
+from threefold.train.resilience import RunGuard, continues_run
 from threefold.train.status import StatusLine
 
 
@@ -117,7 +118,9 @@ def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
     start_step = resume(cfg, state, engine, log if is_logger else _quiet)
     if start_step == 0 and cfg.checkpoint.init_from:
         initialize_from(cfg, state, engine, log if is_logger else _quiet)
-    metrics = MetricsWriter(cfg.log.dir, enabled=is_logger, append=start_step > 0, tensorboard=cfg.log.tensorboard)
+    metrics = MetricsWriter(cfg.log.dir, enabled=is_logger, append=continues_run(start_step),
+                            tensorboard=cfg.log.tensorboard)
+    guard = RunGuard(cfg, grid, chunks, state, start_step, log if is_logger else _quiet)
     observer = StepObserver(cfg.log, grid, device, is_logger)  # log.spans: where each rank's step time went
     observer.attach(chunks, engine)
     phase = observer.phase  # from here on, until the next phase(), the step's time counts as this category
@@ -134,6 +137,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
     last = {}
     with Prefetcher(produce, start_step, t.steps, depth=cfg.data.prefetch) as prefetch:
         for step in range(start_step, t.steps):
+            guard.step_begins(step)
             observer.begin_step(step)
             t0 = time.perf_counter()
             tp_bytes0 = grid.tp.stats.total_bytes
@@ -148,6 +152,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
             with probe.watch(chunks) if probe else contextlib.nullcontext():
                 loss_sum, pipe = executor.run(batches, tokens_per_step / engine.loss_scale, no_sync=engine.no_sync,
                                               spans=observer.recorder)
+            compute_s = guard.compute_time(step, pipe)
             phase("dp_exposed")
             engine.finish()
             # Tensor parallel: replicated parameters whose gradient each TP rank holds a part of
@@ -160,6 +165,8 @@ def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
                 engine.all_reduce_grads_of(tied, grid.embed)
             phase("optimizer")
             grad_norm = engine.grad_norm([grid.pp], exclude=tied_copy)
+            # One all_gather: a NaN/Inf on any rank makes every rank skip; stragglers are named.
+            grad_norm = guard.agree(grad_norm, loss_sum, compute_s, engine)
             applied = engine.step(lr, grad_norm, t.grad_clip)
             if probe:
                 probe.after_step(engine)
@@ -189,16 +196,17 @@ def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
             if heldout is not None and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
                 phase("eval")
                 last["val_loss"] = heldout.evaluate(chunks, grid, cfg)["loss"]
-            c = cfg.checkpoint
-            if c.dir and ((c.interval and (step + 1) % c.interval == 0) or step + 1 == t.steps):
-                phase("checkpoint")  # after step_time: the save blocks the run, reported as its own category
-                save(c.dir, step + 1, state, cfg.to_dict(), grid.describe(), {"optimizer_step": step + 1}, c.keep)
+            # Health counters, the checkpoint when one is due (after step_time: a save blocks the
+            # run and is reported as its own category), goodput.
+            guard.end_step(step, last, before_save=lambda: phase("checkpoint"))
             last.update(observer.end_step(engine))
             metrics.write(last)
             if last.get("moe_hot_experts") and is_logger and (step + 1) % cfg.log.interval == 0:
                 log(f"threefold: step {step + 1}: experts above 2x their layer's mean load: "
                     f"{', '.join(last['moe_hot_experts'])}")
             status.update(step, loss_value, last["tokens_per_s"], last["mfu"])
+            guard.check_rollback(step, metrics)
+        guard.close()
     metrics.close()
     observer.close()
     if probe:

@@ -15,6 +15,7 @@ one set of buckets and one optimizer. With dp = 1 every ZeRO stage is a no-op (r
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -199,9 +200,12 @@ class DataParallel:
 
     def step(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> bool:
         """Clip to `max_norm` (0 = off) and apply AdamW; False when the step was skipped
-        because gradients overflowed (fp16 loss scaling). Every rank decides the same way:
-        the norm is global."""
-        if self.scaler.enabled and not self.scaler.update(float(grad_norm)):
+        because the norm is not finite (fp16 overflow under loss scaling, or a NaN/Inf loss or
+        gradient). Every rank decides the same way: the norm is global."""
+        norm = float(grad_norm)
+        if self.scaler.enabled and not self.scaler.update(norm):
+            return False
+        if not math.isfinite(norm):  # NaN/Inf without loss scaling (or flagged by the caller): never apply
             return False
         self.apply_update(lr, grad_norm, max_norm)
         return True

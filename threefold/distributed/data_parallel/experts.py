@@ -12,6 +12,7 @@ scaler, one skip decision, one global gradient norm.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,11 @@ class ExpertDataParallel:
         return total.sqrt() / self.scaler.scale
 
     def step(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> bool:
-        if self.scaler.enabled and not self.scaler.update(float(grad_norm)):
+        """DataParallel.step's decision (overflow, NaN/Inf: skip) once, then both updates."""
+        norm = float(grad_norm)
+        if self.scaler.enabled and not self.scaler.update(norm):
+            return False
+        if not math.isfinite(norm):
             return False
         for e in self.engines:
             e.apply_update(lr, grad_norm, max_norm)

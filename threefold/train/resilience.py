@@ -1,0 +1,91 @@
+"""What the training loop does to survive failures, behind a few calls:
+
+    guard = RunGuard(cfg, grid, chunks, state, start_step, log)
+    guard.step_begins(step)                        # injected kill / hang / NaN
+    compute_s = guard.compute_time(step, pipe)     # injected slowness; straggler input
+    norm = guard.agree(norm, loss_sum, compute_s, engine)   # one all_gather: skip NaN globally
+    guard.end_step(step, record)                   # counters, checkpoint, goodput
+    guard.check_rollback(step, metrics)            # K non-finite steps in a row: roll back
+    guard.close()
+
+See faults.py, health.py, checkpoint/writer.py and observe/goodput.py.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+import torch
+
+from threefold.checkpoint.writer import Checkpointer
+from threefold.distributed.runtime import WorkerEnv
+from threefold.observe.goodput import Goodput, record_fault
+from threefold.train.faults import FaultInjector
+from threefold.train.health import NonFiniteRollback, StepHealth
+
+
+def continues_run(start_step: int) -> bool:
+    """This attempt appends to an earlier one's records (resumed, restarted or rolled back)."""
+    return start_step > 0 or WorkerEnv.from_environ().restart_count > 0
+
+
+class RunGuard:
+    def __init__(self, cfg, grid, chunks: list, state: list, start_step: int, log=print):
+        t, c = cfg.train, cfg.checkpoint
+        self.cfg, self.rank, self.log = cfg, grid.global_rank, log
+        is_logger = grid.global_rank == 0
+        self.segment = uuid.uuid4().hex[:8]
+        self.faults = FaultInjector.from_config(cfg, grid.global_rank, WorkerEnv.from_environ().restart_count)
+        self.faults.install(chunks)
+        self.health = StepHealth(grid.world, t.nan_rollback_after, t.straggler_steps,
+                                 log if is_logger else (lambda *_: None),
+                                 stage_of=[grid.layout.coords(r)["pp"] for r in range(grid.world.size)])
+        self.goodput = Goodput(cfg.log.dir, enabled=is_logger, continuing=continues_run(start_step))
+        # Events of the whole run, every attempt included (steps lost to a failure too): a NaN
+        # that forced a rollback still happened. Rank 0 reports them; it read the records.
+        self.health.skipped = self.goodput.previous_counters.get("steps_skipped", 0)
+        self.health.nonfinite = self.goodput.previous_counters.get("nonfinite_steps", 0)
+        self.ckpt = None
+        if c.dir:
+            self.ckpt = Checkpointer(c.dir, state, cfg.to_dict(), grid.describe(), c.keep, c.async_save,
+                                     on_published=self.faults.after_save)
+
+    def step_begins(self, step: int) -> None:
+        self.faults.step_begins(step, on_fault=lambda f: record_fault(self.cfg.log.dir, self.rank, f.kind, step))
+
+    def compute_time(self, step: int, pipe) -> float:
+        """This rank's compute seconds in the schedule (waits for other stages excluded)."""
+        return self.faults.slow(step, sum(pipe.compute_s.values()))
+
+    def agree(self, grad_norm: torch.Tensor, loss_sum: torch.Tensor, compute_s: float, engine) -> torch.Tensor:
+        return self.health.agree(grad_norm, loss_sum, compute_s, engine.scaler.enabled)
+
+    def end_step(self, step: int, record: dict, before_save=None) -> None:
+        """Add health counters, save a checkpoint when one is due (its blocking time) and the
+        goodput fields to this step's metrics record. `before_save()` runs just before a save
+        (the span recorder starts counting checkpoint time)."""
+        record.update(self.health.record(step, not record["step_skipped"]))
+        record["segment"] = self.segment
+        c, t = self.cfg.checkpoint, self.cfg.train
+        record["ckpt_block_s"] = 0.0
+        if self.ckpt is not None and ((c.interval and (step + 1) % c.interval == 0) or step + 1 == t.steps):
+            if before_save is not None:
+                before_save()
+            record["ckpt_block_s"] = self.ckpt.save(step + 1, {"optimizer_step": step + 1})
+            self.goodput.write()
+        record.update(self.goodput.update(record))
+
+    def check_rollback(self, step: int, metrics) -> None:
+        """Raise NonFiniteRollback (after finishing the save in flight) when it is due."""
+        if self.health.rollback_due:
+            self.close()
+            metrics.close()
+            raise NonFiniteRollback(step, self.health.in_a_row)
+
+    def close(self) -> None:
+        """Wait for the save in flight (the end of training blocks on it too) and write the summary."""
+        if self.ckpt is not None:
+            t0 = time.perf_counter()
+            self.ckpt.close()
+            self.goodput.checkpoint_s += time.perf_counter() - t0
+        self.goodput.write()
