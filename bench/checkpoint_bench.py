@@ -80,28 +80,33 @@ def mttr(preset: str, steps: int, interval: int, tmp: Path) -> float:
     return json.loads((log / "goodput.json").read_text())["failures"][0]["mttr_s"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="bench/checkpoint_bench.py", description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="tiny,small")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--interval", type=int, default=4)
     ap.add_argument("--no-mttr", action="store_true", help="skip the restart measurement")
+    ap.add_argument("--quick", action="store_true", help="tiny preset only, 8 steps")
     ap.add_argument("--out", default="", help="also write the results as JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.presets, args.steps = "tiny", 8
     results = {}
-    print(f"{'preset':8} {'MB':>8} {'save MB/s':>10} {'load MB/s':>10} {'sync block':>11} {'async block':>12} "
-          f"{'async/sync':>10} {'MTTR s':>7}")
+    print("| preset | checkpoint MB | save MB/s | load MB/s | sync save blocks (ms) | async save blocks (ms) | "
+          "async / sync | MTTR (s) |")
+    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets.split(","):
             r = save_costs(preset, args.steps, args.interval, Path(tmp))
             r["mttr_s"] = None if args.no_mttr else mttr(preset, args.steps, args.interval, Path(tmp))
             results[preset] = r
             mttr_text = "-" if r["mttr_s"] is None else f"{r['mttr_s']:.1f}"
-            print(f"{preset:8} {r['checkpoint_mb']:8.1f} {r['save_mb_per_s']:10.0f} {r['load_mb_per_s']:10.0f} "
-                  f"{r['sync_block_s'] * 1e3:9.1f}ms {r['async_block_s'] * 1e3:10.1f}ms "
-                  f"{r['async_over_sync']:10.2f} {mttr_text:>7}", flush=True)
+            print(f"| {preset} | {r['checkpoint_mb']:.1f} | {r['save_mb_per_s']:.0f} | {r['load_mb_per_s']:.0f} | "
+                  f"{r['sync_block_s'] * 1e3:.1f} | {r['async_block_s'] * 1e3:.1f} | {r['async_over_sync']:.2f} | "
+                  f"{mttr_text} |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return results
 
 
 if __name__ == "__main__":

@@ -62,8 +62,10 @@ def run_layout(out: Path, name: str, dp: int, tp: int, pp: int, args) -> tuple[s
     return "ok", f"{time.perf_counter() - t0:.0f} s wall"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Prints the calibration and the table; returns one row per held-out run (name, error)."""
+    ap = argparse.ArgumentParser(prog="bench/planner_calibration.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/planner_calibration", help="directory for the run directories")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--seq-len", type=int, default=0, help="override model.seq_len (0 = the preset's)")
@@ -79,7 +81,11 @@ def main() -> int:
     ap.add_argument("--fit", default="", help="parameters to fit (default: chosen by the planner)")
     ap.add_argument("--reuse", action="store_true", help="keep finished run directories")
     ap.add_argument("--no-train", action="store_true", help="only calibrate on what is already in --out")
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="tiny preset, 4 steps, 5 layouts: indicative only")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.preset, args.steps = "tiny", 4
+        args.names = args.names or "dp1,dp4,tp2dp2,pp2dp2,tp2pp2dp2"
 
     out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -110,8 +116,7 @@ def main() -> int:
     calib = [n.strip() for n in args.calibrate_on.split(",")]
     missing = [n for n in calib if n not in done]
     if missing:
-        print(f"cannot calibrate: runs {', '.join(missing)} did not finish", file=sys.stderr)
-        return 1
+        raise SystemExit(f"cannot calibrate: runs {', '.join(missing)} did not finish")
     # Peak and cores come from each run's run.json; the rest of the cpu profile are priors.
     given = {"device": "cpu", "peak_tflops": done[calib[0]].peak_flops / 1e12}
     if args.host_cores:
@@ -125,6 +130,7 @@ def main() -> int:
     print()
     print("| run | dp | tp | pp | processes | measured s | predicted s | error |")
     print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for row in cal.rows:
         if row.category != "step":
             continue
@@ -133,11 +139,13 @@ def main() -> int:
         flag = " (calibration)" if not row.held_out else (" **over 25%**" if abs(err) > 0.25 else "")
         print(f"| {row.run.name}{flag} | {lay.dp} | {lay.tp} | {lay.pp} | {lay.world} | {row.measured:.3f} | "
               f"{row.fitted:.3f} | {err:+.1%} |")
+        if row.held_out:
+            rows.append({"name": row.run.name, "error": err})
     for name, (state, detail) in status.items():
         if state != "ok":
             print(f"| {name} | | | | | {state}: {detail} | | |")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
