@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
 import time
 from functools import partial
@@ -48,6 +47,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from composable3d import SCHEDULES, torch_contestant  # noqa: E402
+from pp_vs_torch import summary  # noqa: E402
 from harness import run_ranks  # noqa: E402
 
 
@@ -213,13 +213,6 @@ def bench_worker(dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dic
     gc.collect()
     shutdown_distributed()
     return out
-
-
-def summary(times: list[float]) -> tuple[float, float, float]:
-    if len(times) < 2:
-        return times[0], times[0], times[0]
-    q = statistics.quantiles(times, n=4, method="inclusive")
-    return statistics.median(times), q[0], q[2]
 
 
 def global_losses(per_rank: list[dict], n_tokens: int) -> dict[str, list[float]]:

@@ -56,22 +56,16 @@ def check_eval_config(cfg: Config, world_size: int | None) -> None:
 
 def eval_worker(cfg_dict: dict, checkpoint: str) -> dict:
     """One evaluation process (in-process, spawned, or under torchrun)."""
-    import torch
-
     from threefold.distributed.grid import Grid
-    from threefold.distributed.runtime import WorkerEnv, init_distributed, resolve_device, shutdown_distributed
+    from threefold.distributed.runtime import WorkerEnv, shutdown_distributed
     from threefold.errors import UserError
     from threefold.inference.evaluate import HeldOut
     from threefold.inference.load import build_chunks, checkpoint_model_config, load_model
-    from threefold.train.worker import layout_of
+    from threefold.train.worker import join_group, layout_of
 
     cfg = Config.from_dict(cfg_dict)
-    env = WorkerEnv.from_environ()
-    device = resolve_device(cfg.train.device, env.local_rank)
-    if device.type == "cpu":
-        torch.set_num_threads(cfg.train.threads)
     try:
-        init_distributed(device, cfg.train.timeout_s)
+        device = join_group(cfg, WorkerEnv.from_environ())
         grid = Grid.build(layout_of(cfg))
         directory, manifest, _ = checkpoint_model_config(checkpoint)
         chunks = build_chunks(cfg, grid, device)

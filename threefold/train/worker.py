@@ -58,16 +58,22 @@ def layout_of(cfg: Config) -> RankLayout:
     return RankLayout(tp=p.tp, cp=p.cp, ep=p.ep, dp=p.dp, pp=p.pp, order=p.order)
 
 
+def join_group(cfg: Config, env: WorkerEnv) -> torch.device:
+    """This process's device (its intra-op threads on CPU), and the job's process group joined."""
+    device = resolve_device(cfg.train.device, env.local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.train.threads)
+    init_distributed(device, cfg.train.timeout_s)
+    return device
+
+
 def run_worker(cfg_dict: dict, measure_memory: bool = False):
     """Entry point of every worker; returns the last step's metrics (rank 0's are reported), or
     with `measure_memory` every rank's memory rows (on rank 0) for `threefold memory`."""
     cfg = Config.from_dict(cfg_dict)
     env = WorkerEnv.from_environ()
-    device = resolve_device(cfg.train.device, env.local_rank)
-    if device.type == "cpu":
-        torch.set_num_threads(cfg.train.threads)
     try:
-        init_distributed(device, cfg.train.timeout_s)
+        device = join_group(cfg, env)
         layout = layout_of(cfg)
         layout.check_placement(cfg.parallel.devices_per_node or env.local_world_size,
                                cfg.parallel.allow_tp_across_nodes)
