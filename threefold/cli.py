@@ -33,42 +33,6 @@ def _train(argv: list[str]) -> int:
     return run_train(cfg)
 
 
-def _plan(argv: list[str]) -> int:
-    from threefold.planner.command import plan_command
-
-    return plan_command(argv)
-
-
-def _memory(argv: list[str]) -> int:
-    from threefold.train.memory_command import memory_command
-
-    return memory_command(argv)
-
-
-def _checkpoint(argv: list[str]) -> int:
-    from threefold.checkpoint.command import checkpoint_command
-
-    return checkpoint_command(argv)
-
-
-def _data(argv: list[str]) -> int:
-    from threefold.data.prepare import data_command
-
-    return data_command(argv)
-
-
-def _eval(argv: list[str]) -> int:
-    from threefold.inference.evaluate_command import eval_command
-
-    return eval_command(argv)
-
-
-def _generate(argv: list[str]) -> int:
-    from threefold.inference.generate import generate_command
-
-    return generate_command(argv)
-
-
 def _bench(argv: list[str]) -> int:
     """The benchmark suite lives beside the package (bench/run.py), in a source checkout."""
     from pathlib import Path
@@ -82,14 +46,24 @@ def _bench(argv: list[str]) -> int:
     return bench_run.main(argv)
 
 
-def _report(argv: list[str]) -> int:
-    from threefold.observe.report_command import report_command
+def _lazy(target: str):
+    """A command whose module is imported only when it runs (start-up stays fast)."""
+    module, function = target.split(":")
 
-    return report_command(argv)
+    def run(argv: list[str]) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(module), function)(argv)
+    return run
 
 
-COMMANDS = {"train": _train, "memory": _memory, "plan": _plan, "checkpoint": _checkpoint, "bench": _bench,
-            "data": _data, "eval": _eval, "generate": _generate, "report": _report}
+COMMANDS = {"train": _train, "memory": _lazy("threefold.train.memory_command:memory_command"),
+            "plan": _lazy("threefold.planner.command:plan_command"),
+            "checkpoint": _lazy("threefold.checkpoint.command:checkpoint_command"), "bench": _bench,
+            "data": _lazy("threefold.data.prepare:data_command"),
+            "eval": _lazy("threefold.inference.evaluate_command:eval_command"),
+            "generate": _lazy("threefold.inference.generate:generate_command"),
+            "report": _lazy("threefold.observe.report_command:report_command")}
 
 
 def main(argv: list[str] | None = None) -> int:

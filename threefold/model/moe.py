@@ -58,12 +58,12 @@ class StackedLinear(nn.Module):
 
 class Experts(nn.Module):
     """The routed experts held here (all of them, or this rank's share under EP): SwiGLU for
-    llama, GeLU for gpt2, without biases. `first` is the global index of expert 0 here."""
+    llama, GeLU for gpt2, without biases."""
 
-    def __init__(self, cfg, num: int | None = None, first: int = 0):
+    def __init__(self, cfg, num: int | None = None):
         super().__init__()
         num = cfg.num_experts if num is None else num
-        self.num, self.first, self.gated = num, first, cfg.arch == "llama"
+        self.num, self.gated = num, cfg.arch == "llama"
         self.w1 = StackedLinear(num, cfg.hidden, cfg.ffn_hidden)
         self.w3 = StackedLinear(num, cfg.hidden, cfg.ffn_hidden) if self.gated else None
         self.w2 = StackedLinear(num, cfg.ffn_hidden, cfg.hidden)

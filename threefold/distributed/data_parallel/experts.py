@@ -37,7 +37,7 @@ class ExpertDataParallel:
         self.experts = DataParallel(chunks, grid, group=grid.expert_dp, only=lambda p: id(p) in expert_ids,
                                     scaler=self.dense.scaler, **kwargs)
         self.engines = [self.dense, self.experts]
-        self.chunks, self.grid, self.scaler = self.dense.chunks, grid, self.dense.scaler
+        self.scaler = self.dense.scaler
 
     @property
     def zero(self) -> int:

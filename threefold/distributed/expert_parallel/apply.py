@@ -17,7 +17,7 @@ from threefold.model.moe import Experts, moe_layers
 def _shard_experts(experts: Experts, group, cfg) -> Experts:
     local = experts.num // group.size
     first = group.rank * local
-    mine = Experts(cfg, num=local, first=first)
+    mine = Experts(cfg, num=local)
     for name in ("w1", "w3", "w2"):
         part = getattr(mine, name)
         if part is None:
