@@ -4,11 +4,13 @@
     python bench/planner_calibration.py --reuse              # keep run directories that finished
     python bench/planner_calibration.py --only dp            # the data-parallel layouts only
 
-Each layout runs `threefold train` for a few steps into <out>/<name> (run.json + metrics.jsonl).
-A layout `threefold train` refuses (a dimension not wired into the loop yet) is skipped with
-its one-line reason. The planner is then calibrated on the two runs named by --calibrate-on
-(default: the 1-process run, which fixes compute, and dp=4, which adds gradient all-reduce) and
-predicts every run's median step time; the table marks errors over 25%.
+Each layout runs `threefold train` for a few steps into <out>/<name> (run.json, metrics.jsonl
+and, with log.spans, spans.jsonl: every rank's step split by category). A layout `threefold
+train` refuses is skipped with its one-line reason. The planner is then calibrated on the two
+runs named by --calibrate-on and predicts every run's median step time; the table marks errors
+over 25%. The default pair is dp4 (compute and the gradient all-reduce) and tp2 x dp2 (TP
+collectives), both four processes on the host's cores: the share of a core 1, 2 and 8
+processes get follows from the cpu profile's measured `core_share_exponent`.
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def run_layout(out: Path, name: str, dp: int, tp: int, pp: int, args) -> tuple[s
            "--parallel.dp", str(dp), "--parallel.tp", str(tp), "--parallel.pp", str(pp),
            "--train.steps", str(args.steps), "--train.global_batch", str(args.global_batch),
            "--train.micro_batch", str(args.micro_batch), "--train.warmup_steps", "1",
-           "--log.dir", str(run_dir), "--log.quiet", "true", "--data.prefetch", "0"]
+           "--log.dir", str(run_dir), "--log.quiet", "true", "--data.prefetch", "0",
+           "--log.spans", "true" if args.spans else "false"]
     if args.seq_len:
         cmd += ["--model.seq_len", str(args.seq_len)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -68,17 +71,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/planner_calibration", help="directory for the run directories")
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--seq-len", type=int, default=0, help="override model.seq_len (0 = the preset's)")
+    ap.add_argument("--seq-len", type=int, default=128, help="override model.seq_len (0 = the preset's)")
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--timeout", type=int, default=900, help="seconds per training run")
     ap.add_argument("--only", choices=("dp", "tp", "pp"), help="run only layouts using this dimension (dp: dp-only)")
     ap.add_argument("--names", default="", help="comma-separated run names of the matrix to run (default: all)")
     ap.add_argument("--host-cores", type=int, default=0,
                     help="cores the processes really get (default: run.json's; less when the machine is shared)")
-    ap.add_argument("--calibrate-on", default="dp1,dp4", help="two run names to fit on")
+    ap.add_argument("--calibrate-on", default="dp4,tp2dp2", help="two run names to fit on")
     ap.add_argument("--fit", default="", help="parameters to fit (default: chosen by the planner)")
+    ap.add_argument("--spans", type=int, default=1,
+                    help="1: time each step by category (log.spans), so every run gives one equation per category")
     ap.add_argument("--reuse", action="store_true", help="keep finished run directories")
     ap.add_argument("--no-train", action="store_true", help="only calibrate on what is already in --out")
     ap.add_argument("--quick", action="store_true", help="tiny preset, 4 steps, 5 layouts: indicative only")

@@ -377,6 +377,34 @@ def test_moe_step_terms_carry_the_all_to_all_volume():
     assert "intra_bw_gbps" not in wide.categories["ep_comm"]
 
 
+def test_collective_calls_are_counted_once_per_call():
+    # Small collectives pay a fixed launch/rendezvous cost per call, whatever the ring length.
+    shape = model_shape(build_config(None, [("model.preset", "small")]).model)
+    L, B = shape.layers, 16
+    node = cpu_cluster()
+    for tp in (2, 4):
+        lay = Layout(tp=tp, dp=1, mbs=2)
+        terms = step_terms(shape, node, lay, B, "fp32").categories
+        m = lay.microbatches(B)
+        assert terms["tp_comm"]["collective_overhead_us"] == pytest.approx(m * (4 * L + 2))
+        assert terms["tp_comm"]["intra_latency_us"] == pytest.approx(m * (4 * L + 2) * 2 * (tp - 1))
+    dp = step_terms(shape, node, Layout(dp=4, mbs=2), B, "fp32").categories
+    assert dp["dp_comm"]["collective_overhead_us"] == 1  # one all-reduce (its buckets overlap)
+    z3 = step_terms(shape, node, Layout(dp=4, mbs=2, zero=3), B, "fp32").categories
+    assert z3["dp_comm"]["collective_overhead_us"] == 1 + 2 * 2  # + a gather per micro-batch, forward and backward
+    pp = step_terms(shape, node, Layout(pp=2, dp=1, mbs=2), B, "fp32").categories
+    assert "collective_overhead_us" not in pp["pp_comm"]  # posted sends and receives: no rendezvous
+
+
+def test_processes_sharing_cores_get_a_share_to_the_exponent():
+    c = cpu_cluster(devices_per_node=8, host_cores=2, core_share_exponent=1.3)
+    assert c.core_share == pytest.approx(0.25 ** 1.3) and c.peak_flops == pytest.approx(0.05e12 * 0.25 ** 1.3)
+    assert cpu_cluster(devices_per_node=2, host_cores=2).core_share == 1.0
+    assert build_cluster({"device": "cpu", "peak_tflops": 0.05}).core_share_exponent == 1.3  # the profile's
+    with pytest.raises(ConfigError, match="core_share_exponent"):
+        cpu_cluster(core_share_exponent=-1)
+
+
 def test_search_uses_expert_parallelism_when_memory_requires_it():
     shape = model_shape(model(OLMOE))
     cl = build_cluster({"device": "a100-40gb", "nodes": 1})
@@ -432,8 +460,10 @@ def test_moe_emit_config_writes_ep(capsys, tmp_path):
 # ----------------------------------------------------------------------------- calibration
 
 
-def _synthetic_run(root: Path, name: str, cfg_pairs, layout: Layout, truth, steps: int = 6) -> str:
-    """A run directory whose step times (and pipeline idle) the planner with `truth` predicts exactly."""
+def _synthetic_run(root: Path, name: str, cfg_pairs, layout: Layout, truth, steps: int = 6,
+                   spans: bool = False) -> str:
+    """A run directory whose step times (and pipeline idle) the planner with `truth` predicts
+    exactly; with `spans`, also a spans.jsonl whose slowest rank has the predicted split."""
     from threefold.planner.calibrate import cluster_for_run
 
     cfg = build_config(None, cfg_pairs + [("parallel.dp", str(layout.dp)), ("parallel.tp", str(layout.tp)),
@@ -458,6 +488,16 @@ def _synthetic_run(root: Path, name: str, cfg_pairs, layout: Layout, truth, step
     lines = [json.dumps({"step": i + 1, "step_time_s": step * (3 if i == 0 else 1), "pp_idle_s": idle})
              for i in range(steps)]
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if spans:
+        t = pred.times
+        slowest = {"forward": t["compute"] + t["overhead"], "recompute": t["recompute"], "tp_comm": t["tp_comm"],
+                   "ep_a2a": t["ep_comm"], "pp_p2p": t["pp_comm"], "pp_bubble": t["bubble"],
+                   "dp_exposed": t["dp_comm"], "optimizer": t["optimizer"]}
+        # A lighter rank first: the loader must pick the rank with the most compute.
+        light = {**slowest, "forward": slowest["forward"] / 2, "tp_comm": 3 * slowest["tp_comm"]}
+        recs = [{"step": i + 1, "ranks": [{"rank": 0, "time_s": light}, {"rank": 1, "time_s": slowest}]}
+                for i in range(steps)]
+        (run / "spans.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     return str(run)
 
 
@@ -479,6 +519,21 @@ def test_calibration_recovers_known_parameters(tmp_path):
     assert len(two.free) == 2 and all(abs(r.fitted / r.measured - 1) < 1e-6 for r in two.rows)
 
 
+def test_core_share_exponent_is_fitted_on_a_grid(tmp_path):
+    truth = cpu_cluster(compute_efficiency=0.4, devices_per_node=2, host_cores=2,
+                        core_share_exponent=1.36)
+    pairs = [("model.preset", "small"), ("train.global_batch", "16")]
+    runs = [load_run(_synthetic_run(tmp_path, f"r{i}", pairs, lay, truth))
+            for i, lay in enumerate([Layout(dp=1, mbs=2), Layout(dp=4, mbs=2), Layout(dp=8, mbs=2)])]
+    cal = fit(runs, cpu_cluster(host_cores=2), ["compute_efficiency", "core_share_exponent"])
+    assert cal.cluster.core_share_exponent == pytest.approx(1.36)
+    assert cal.cluster.compute_efficiency == pytest.approx(0.4, rel=1e-6)
+    assert "core_share_exponent" in cal.changes()
+    # Runs that all share cores alike cannot tell the exponent from the efficiency.
+    with pytest.raises(ConfigError, match="different degrees"):
+        fit(runs[1:2], cpu_cluster(host_cores=2), ["core_share_exponent"])
+
+
 def test_pipeline_idle_is_a_measured_category(tmp_path):
     truth = cpu_cluster(compute_efficiency=0.4, intra_bw_gbps=2.0)
     pairs = [("model.preset", "small"), ("train.global_batch", "16")]
@@ -490,6 +545,45 @@ def test_pipeline_idle_is_a_measured_category(tmp_path):
     assert set(rows) == {("r0", "step"), ("r1", "step"), ("r1", "pp_idle_s")}
     assert all(abs(r.fitted / r.measured - 1) < 1e-6 for r in cal.rows)
     assert cal.cluster.compute_efficiency == pytest.approx(0.4)
+
+
+def test_one_run_with_spans_separates_compute_from_communication(tmp_path):
+    # Step time alone is one equation; the slowest rank's spans give one per category.
+    truth = cpu_cluster(compute_efficiency=0.42, intra_bw_gbps=1.7)
+    pairs = [("model.preset", "small"), ("train.global_batch", "16")]
+    run = load_run(_synthetic_run(tmp_path, "tp2dp2", pairs, Layout(tp=2, dp=2, mbs=2), truth, spans=True))
+    assert {"span_work_s", "span_tp_comm_s", "span_dp_comm_s", "span_optimizer_s"} <= set(run.categories)
+    assert "span_bubble_s" not in run.categories  # no pipeline: nothing measured, no equation
+    cal = fit([run], cpu_cluster(), ["compute_efficiency", "intra_bw_gbps"])
+    assert cal.cluster.compute_efficiency == pytest.approx(0.42) and cal.cluster.intra_bw_gbps == pytest.approx(1.7)
+    assert all(abs(r.fitted / r.measured - 1) < 1e-6 for r in cal.rows)
+
+
+def test_pipeline_on_shared_cores_is_bounded_by_critical_path_and_total_work():
+    from threefold.planner.cost import seconds
+
+    shape = model_shape(build_config(None, [("model.preset", "small")]).model)
+    B, lay = 16, Layout(pp=4, dp=1, mbs=2)
+    m = lay.microbatches(B)
+    ratio = bubble_ratio("1f1b", 4, m, 1)
+
+    def work(cluster):
+        t = step_terms(shape, cluster, lay, B, "fp32").categories
+        return {c: seconds(t[c], cluster) for c in ("compute", "recompute", "overhead", "bubble")}
+
+    alone = work(cpu_cluster(devices_per_node=4, host_cores=4, layer_overhead_us=0.0, step_overhead_s=0.0))
+    # A core per process: the slowest stage's work plus the bubble at full speed.
+    assert alone["bubble"] == pytest.approx(ratio * alone["compute"])
+    slowest = alone["compute"] / m
+    whole = (shape.layers * shape.layer_hw_flops["none"] + shape.head_flops) * lay.mbs * shape.seq_len / 0.5 / 0.05e12
+    shared = work(cpu_cluster(devices_per_node=4, host_cores=2, layer_overhead_us=0.0, step_overhead_s=0.0,
+                                core_share_exponent=1.0))
+    # Four processes on two cores: max(critical path, all ranks' work / 2 cores).
+    expected = max(m * (1 + ratio) * slowest, m * whole / 2)
+    assert sum(shared.values()) == pytest.approx(expected)
+    assert shared["compute"] <= 2 * alone["compute"] + 1e-12 and shared["bubble"] >= 0
+    # Twice the cores' share would be the naive model: slower than both bounds.
+    assert sum(shared.values()) < 2 * sum(alone.values())
 
 
 def test_calibration_on_expert_parallel_runs(tmp_path):
@@ -514,7 +608,7 @@ def test_calibrate_cli_table_and_profile(capsys, tmp_path):
                           "--cluster.peak_tflops", "0.05", "--cluster.host_cores", "8",
                           "--fit", "compute_efficiency,intra_bw_gbps", "--save-profile", str(profile))
     assert code == 0, err
-    assert "compute_efficiency 0.5 -> 0.3" in out and "(held out)" in out and "+0.0%" in out
+    assert "compute_efficiency 0.5 -> 0.3" in out and "(held out)" in out and "0.0%" in out
     fitted = build_cluster({"profile": str(profile)})
     assert fitted.compute_efficiency == pytest.approx(0.3) and fitted.intra_bw_gbps == pytest.approx(1.5)
 

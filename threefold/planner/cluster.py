@@ -39,6 +39,8 @@ class Cluster:
     inter_bw_gbps: float = knob(0.0, "Per-device bus bandwidth reached between nodes, GB/s one way (its share of NICs)")
     intra_latency_us: float = knob(0.0, "Latency of one ring step inside a node, microseconds")
     inter_latency_us: float = knob(0.0, "Latency of one ring step between nodes, microseconds")
+    collective_overhead_us: float = knob(-1.0, "Fixed cost of one collective call: launch and the group's "
+                                               "rendezvous (cpu: a scheduling round) (-1 = profile)")
     compute_efficiency: float = knob(0.0, "Fraction of peak the model's matmuls reach (0 = the profile's prior)")
     layer_overhead_us: float = knob(-1.0, "Time per layer and micro-batch, fwd + bwd: launches, Python (-1 = profile)")
     step_overhead_s: float = knob(-1.0, "Fixed time per step outside the model: data, logging, sync (-1 = profile)")
@@ -46,6 +48,8 @@ class Cluster:
     tp_overlap: float = knob(-1.0, "Fraction of TP/SP communication hidden under compute (-1 = profile; 0 = none)")
     allow_tp_across_nodes: bool = knob(False, "Let a tensor-parallel group span nodes (over the inter-node link)")
     host_cores: int = knob(0, "cpu: cores the node's processes share; fewer than processes slows each (0 = no sharing)")
+    core_share_exponent: float = knob(0.0, "cpu: with more processes than cores each runs at (cores / processes) "
+                                           "** this of a core; above 1: switches and cache contention (0 = profile)")
 
     @property
     def world(self) -> int:
@@ -54,10 +58,18 @@ class Cluster:
     @property
     def peak_flops(self) -> float:
         """Peak FLOP/s one device gets, after sharing the host's cores (cpu)."""
-        share = 1.0
-        if self.host_cores > 0 and self.devices_per_node > self.host_cores:
-            share = self.host_cores / self.devices_per_node
-        return self.peak_tflops * 1e12 * share
+        return self.peak_tflops * 1e12 * self.core_share
+
+    @property
+    def core_share(self) -> float:
+        """The share of a core each process gets: 1 unless more processes than cores (cpu)."""
+        return self.core_share_of(self.devices_per_node)
+
+    def core_share_of(self, busy: float) -> float:
+        """The share of a core each of `busy` processes competing for the host's cores gets."""
+        if self.host_cores > 0 and busy > self.host_cores:
+            return (self.host_cores / busy) ** (self.core_share_exponent or 1.0)
+        return 1.0
 
     @property
     def usable_bytes(self) -> float:
@@ -70,7 +82,8 @@ class Cluster:
 # Datasheet numbers, and priors for the efficiency parameters (calibrate them: docs/planner.md).
 # Bandwidths are what NCCL reaches, not the link's nominal rate: NVLink3 300 GB/s -> ~235,
 # NVLink4 450 -> ~360; one 200 Gb/s HDR NIC per GPU -> ~23 GB/s, 400 Gb/s NDR -> ~45.
-_GPU_COMMON = dict(reserved_gib=3.0, intra_latency_us=5.0, inter_latency_us=10.0, layer_overhead_us=10.0,
+_GPU_COMMON = dict(reserved_gib=3.0, intra_latency_us=5.0, inter_latency_us=10.0, collective_overhead_us=10.0,
+                   layer_overhead_us=10.0,
                    step_overhead_s=0.01, dp_overlap=0.0, tp_overlap=0.0, devices_per_node=8)
 PROFILES: dict[str, dict[str, Any]] = {
     "a100-40gb": dict(_GPU_COMMON, peak_name="NVIDIA A100-SXM4-40GB", memory_gib=40.0, mem_bw_gbps=1555.0,
@@ -84,15 +97,16 @@ PROFILES: dict[str, dict[str, Any]] = {
     # CPU: the peak is measured (observe.peak, one thread per process), memory is the host's
     # RAM shared by the processes, and gloo over shared memory/loopback is the "link".
     "cpu": dict(peak_name="cpu", reserved_gib=0.5, mem_bw_gbps=5.0, intra_bw_gbps=1.0, inter_bw_gbps=0.1,
-                intra_latency_us=100.0, inter_latency_us=200.0, compute_efficiency=0.5, layer_overhead_us=1000.0,
-                step_overhead_s=0.01, dp_overlap=0.0, tp_overlap=0.0),
+                intra_latency_us=100.0, inter_latency_us=200.0, collective_overhead_us=1000.0, compute_efficiency=0.5,
+                layer_overhead_us=1000.0,
+                step_overhead_s=0.01, dp_overlap=0.0, tp_overlap=0.0, core_share_exponent=1.3),
 }
 ALIASES = {"a100": "a100-80gb", "a100-80g": "a100-80gb", "a100-40g": "a100-40gb", "h100-sxm": "h100",
            "h100-80gb": "h100", "h200-sxm": "h200"}
 _FROM_PROFILE_IF = {"devices_per_node": 0, "peak_tflops": 0.0, "memory_gib": 0.0, "reserved_gib": 0.0,
                     "mem_bw_gbps": 0.0, "intra_bw_gbps": 0.0, "inter_bw_gbps": 0.0, "intra_latency_us": 0.0,
-                    "inter_latency_us": 0.0, "compute_efficiency": 0.0, "layer_overhead_us": -1.0,
-                    "step_overhead_s": -1.0, "dp_overlap": -1.0, "tp_overlap": -1.0}
+                    "inter_latency_us": 0.0, "collective_overhead_us": -1.0, "compute_efficiency": 0.0, "layer_overhead_us": -1.0,
+                    "step_overhead_s": -1.0, "dp_overlap": -1.0, "tp_overlap": -1.0, "core_share_exponent": 0.0}
 
 FIELDS = {f.name: f for f in dataclasses.fields(Cluster)}
 _TYPES = typing.get_type_hints(Cluster)
@@ -225,10 +239,13 @@ def check_cluster(c: Cluster) -> None:
             raise ConfigError(f"cluster.{key}", f"must be > 0, got {getattr(c, key)}")
     if not 0 < c.compute_efficiency <= 1:
         raise ConfigError("cluster.compute_efficiency", f"{c.compute_efficiency} is outside (0, 1]")
+    if c.core_share_exponent < 0:
+        raise ConfigError("cluster.core_share_exponent", f"must be >= 0, got {c.core_share_exponent}")
     for key in ("dp_overlap", "tp_overlap"):
         if not 0 <= getattr(c, key) <= 1:
             raise ConfigError(f"cluster.{key}", f"{getattr(c, key)} is outside [0, 1]")
-    for key in ("reserved_gib", "intra_latency_us", "inter_latency_us", "layer_overhead_us", "step_overhead_s"):
+    for key in ("reserved_gib", "intra_latency_us", "inter_latency_us", "collective_overhead_us", "layer_overhead_us",
+                "step_overhead_s"):
         if getattr(c, key) < 0:
             raise ConfigError(f"cluster.{key}", f"must be >= 0, got {getattr(c, key)}")
     if c.reserved_gib >= c.memory_gib:

@@ -7,6 +7,7 @@ sum(coefficient * unit(parameter)), where unit() is, per parameter:
     compute_efficiency   1 / efficiency          coefficient: seconds at 100% of peak
     *_bw_gbps            1 / (bandwidth * 1e9)   coefficient: bytes over that link
     *_latency_us         latency * 1e-6          coefficient: ring steps paid
+    collective_overhead_us  overhead * 1e-6      coefficient: collective calls (launch and rendezvous)
     layer_overhead_us    overhead * 1e-6         coefficient: layer passes (forward + backward)
     step_overhead_s      overhead                coefficient: 1
 
@@ -18,8 +19,8 @@ The categories of one optimizer step on the slowest pipeline rank:
                all-gathers + 4 reduce-scatters + the 2 all-gathers backward repeats to rebuild
                the sequence-sharded inputs; full recompute repeats the forward's; the vocab-
                parallel embedding (forward) and head (backward) add one each: without SP 4l + 2
-               collectives, what the training loop's tp_comm_bytes counts. Ring volumes,
-               (1 - tp_overlap) of them exposed. An MoE block keeps attention's half; its routed
+               collectives, what the training loop's tp_comm_bytes counts. Ring volumes and
+               steps, plus a fixed cost per call, (1 - tp_overlap) of them exposed. An MoE block keeps attention's half; its routed
                experts split the tokens over tp instead: without SP an all-gather of the output
                forward and of the input gradient backward (SP: none), plus a latency-only
                gather of the routing counts; a shared expert is a TP MLP (the dense half again).
@@ -28,7 +29,9 @@ The categories of one optimizer step on the slowest pipeline rank:
                sending (ep-1)/ep of it, plus a latency-only exchange of counts per forward
     pp_comm    2 (v m + p - 1) point-to-point transfers of sbh (sbh/t under SP) on the critical path
     bubble     (compute + recompute + tp_comm + ep_comm + layer overhead) * B/(1-B), B = bubble_theory(...):
-               the ideal-time form (p-1)/m (gpipe, 1f1b), (p-1)/(v m) (interleaved), (p-1)/(3m) (zb)
+               the ideal-time form (p-1)/m (gpipe, 1f1b), (p-1)/(v m) (interleaved), (p-1)/(3m) (zb).
+               Processes sharing too few cores (cpu): what the larger of the critical path at a
+               full core and all ranks' work over the cores leaves beyond the rank's own work
     dp_comm    ZeRO 0 all-reduce 2(N-1)/N P; 1 and 2 reduce-scatter + all-gather, the same volume;
                3 reduce-scatter + an all-gather per micro-batch forward and backward; (1 - dp_overlap)
                of it exposed. MoE: dense parameters over dp, the experts (E_params / ep per
@@ -53,7 +56,7 @@ from threefold.planner.model import ModelShape
 
 CATEGORIES = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "overhead")
 PARAMS = ("compute_efficiency", "intra_bw_gbps", "inter_bw_gbps", "intra_latency_us", "inter_latency_us",
-          "mem_bw_gbps", "layer_overhead_us", "step_overhead_s")
+          "collective_overhead_us", "mem_bw_gbps", "layer_overhead_us", "step_overhead_s")
 
 Terms = dict  # parameter name -> coefficient
 
@@ -102,9 +105,10 @@ def merge_terms(*parts: Terms) -> Terms:
     return out
 
 
-def _collective(into: Terms, link: str, nbytes: float, steps: float) -> None:
+def _collective(into: Terms, link: str, nbytes: float, steps: float, calls: float) -> None:
     _add(into, f"{link}_bw_gbps", nbytes)
     _add(into, f"{link}_latency_us", steps)
+    _add(into, "collective_overhead_us", calls)
 
 
 def _latency_steps(n: int, link: str, ring_steps: float) -> float:
@@ -150,6 +154,7 @@ def step_terms(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch
     act = ACT_BYTES[dtype]
     kp = kg = act
     ko = 12 if dtype == "bf16" else 8
+    share = cluster.core_share  # of a core, per process (cpu with more processes than cores; else 1)
     peak = cluster.peak_flops
     dpn = cluster.devices_per_node
     split = shape.stage_split(p, v)
@@ -191,15 +196,16 @@ def step_terms(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch
             nbytes = n_ar * 2 * ring * x + n_ag * ring * x
             steps = (n_ar * _latency_steps(t, tp_link, 2 * (t - 1))
                      + (n_ag + n_lat) * _latency_steps(t, tp_link, t - 1))
-            _collective(mb["tp_comm"], tp_link, exposed * nbytes, exposed * steps)
+            _collective(mb["tp_comm"], tp_link, exposed * nbytes, exposed * steps, exposed * (n_ar + n_ag + n_lat))
         if layout.ep > 1 and moe:
             a2a = ep_all_to_all(shape, cluster, layout, act)
             # dispatch + combine forward and the same two backward; full recompute repeats the
             # forward's; one exchange of counts per forward
             n = 4 + 2 * full
             _collective(mb["ep_comm"], ep_link, moe * n * a2a["bytes"],
-                        moe * (n + 1 + full) * a2a["steps"])
-        _add(mb["overhead"], "layer_overhead_us", layers * (4 / 3 if full else 1.0))
+                        moe * (n + 1 + full) * a2a["steps"], moe * (n + 1 + full))
+        # Host work per layer pass; processes sharing cores (cpu) pay it at their share too.
+        _add(mb["overhead"], "layer_overhead_us", layers * (4 / 3 if full else 1.0) / share)
         return mb
 
     # The slowest pipeline rank sets the pace; the last one also runs the head. Ranks other
@@ -217,14 +223,18 @@ def step_terms(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch
 
     cats: dict[str, Terms] = {name: _scaled(terms, m) for name, terms in mb.items()}
     ratio = bubble_ratio(layout.schedule, p, m, v)
-    cats["bubble"] = _scaled(merge_terms(*mb.values()), m * ratio)
+    if p > 1 and share < 1.0:
+        _oversubscribed_pipeline(cats, mb, micro_batch(shape.layers, True), m, p, ratio, share)
+    else:
+        cats["bubble"] = _scaled(merge_terms(*mb.values()), m * ratio)
 
     cats["pp_comm"] = {}
     pp_link = "intra" if cluster.nodes == 1 else "inter"
     if p > 1:
         n = 2 * (m * v + p - 1)
         x = tokens * h * act / (t if layout.sp else 1)
-        _collective(cats["pp_comm"], pp_link, n * x, n)
+        # Sends and receives are posted ahead and wait for no group: no rendezvous to pay.
+        _collective(cats["pp_comm"], pp_link, n * x, n, 0)
 
     # Data parallel: the rank holding the most parameters. Dense gradients over dp, experts'
     # over expert_dp (tp * dp / ep ranks), which spans the same consecutive ranks as dp.
@@ -241,8 +251,8 @@ def step_terms(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch
     exposed = 1.0 - cluster.dp_overlap
     for numel, n in ((dense, d), (expert, edp)):
         if n > 1 and numel:
-            nbytes, steps = _gradient_sync(numel, n, layout.zero, m, dp_link, kp, kg)
-            _collective(cats["dp_comm"], dp_link, exposed * nbytes, exposed * steps)
+            nbytes, steps, calls = _gradient_sync(numel, n, layout.zero, m, dp_link, kp, kg)
+            _collective(cats["dp_comm"], dp_link, exposed * nbytes, exposed * steps, exposed * calls)
 
     opt_numel = (dense / d + expert / edp) if layout.zero >= 1 else dense + expert
     cats["optimizer"] = {"mem_bw_gbps": opt_numel * (2 * ko + kp + kg)}
@@ -255,14 +265,44 @@ def step_terms(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch
     return StepTerms(cats, rank, hw_flops, links, extra)
 
 
-def _gradient_sync(numel: float, n: int, zero: int, m: int, link: str, kp: int, kg: int) -> tuple[float, float]:
-    """(bytes, latency steps) one rank pays to synchronise `numel` parameters over `n` replicas."""
+WORK = ("compute", "recompute", "overhead")
+
+
+def _oversubscribed_pipeline(cats: dict[str, Terms], mb: dict[str, Terms], whole: dict[str, Terms], m: int, p: int,
+                             ratio: float, share: float) -> None:
+    """Pipeline ranks that share too few cores (cpu: more processes than cores): a rank waiting
+    in the bubble leaves its core to the others, so the step is bounded below both by the
+    critical path at a full core each, m (1 + ratio) times the slowest rank's work, and by all
+    ranks' work spread over the cores, m times the average rank's work at the share. The
+    larger of the two (per parameter, which keeps the terms linear) is the work the slowest
+    rank's categories and the bubble split: its own work at the share where the step is that
+    long, the rest bubble. Only a critical-path-bound step idles in the bubble's collectives."""
+    work = merge_terms(*(mb[c] for c in WORK))
+    critical = _scaled(work, m * (1 + ratio) * share)
+    spread = _scaled(merge_terms(*(whole[c] for c in WORK)), m / p)
+    total = {k: max(critical.get(k, 0.0), spread.get(k, 0.0)) for k in set(critical) | set(spread)}
+    own = merge_terms(*(cats[c] for c in WORK))
+    # The slowest rank's own work cannot take longer than the step's: it ran faster than its share.
+    fit = min([1.0] + [total[k] / own[k] for k in own if own[k] > 0])
+    for c in WORK:
+        cats[c] = _scaled(cats[c], fit)
+    bubble = {k: total[k] - fit * own.get(k, 0.0) for k in total}
+    flops = "compute_efficiency"
+    if critical.get(flops, 0.0) >= spread.get(flops, 0.0):
+        bubble = merge_terms(bubble, _scaled(merge_terms(mb["tp_comm"], mb["ep_comm"]), m * ratio))
+    cats["bubble"] = {k: c for k, c in bubble.items() if c > 0}
+
+
+def _gradient_sync(numel: float, n: int, zero: int, m: int, link: str, kp: int,
+                   kg: int) -> tuple[float, float, float]:
+    """(bytes, latency steps, collective calls) one rank pays to synchronise `numel` parameters
+    over `n` replicas (the buckets' calls counted as one: they overlap each other)."""
     ring = (n - 1) / n
     if zero == 0:
-        return 2 * ring * numel * kg, _latency_steps(n, link, 2 * (n - 1))
+        return 2 * ring * numel * kg, _latency_steps(n, link, 2 * (n - 1)), 1
     if zero in (1, 2):
-        return ring * numel * (kg + kp), 2 * _latency_steps(n, link, n - 1)
-    return ring * numel * (kg + 2 * m * kp), (1 + 2 * m) * _latency_steps(n, link, n - 1)
+        return ring * numel * (kg + kp), 2 * _latency_steps(n, link, n - 1), 2
+    return ring * numel * (kg + 2 * m * kp), (1 + 2 * m) * _latency_steps(n, link, n - 1), 1 + 2 * m
 
 
 def ep_group_link(cluster: Cluster, t: int, ep: int) -> str:

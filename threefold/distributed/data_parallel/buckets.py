@@ -58,13 +58,15 @@ class GradBuckets:
         self.t_backward_end = self.t_done = 0.0
         self.launched_in_backward = 0
         self._hooks = []
+        # `flat` lives as long as the engine: its per-parameter views are made once, not per hook.
+        self._views = [self._make_view(i) for i in range(len(params))] if self.as_views else []
         for i, p in enumerate(params):
             if self.as_views:
-                p.grad = self._param_view(i)
+                p.grad = self._views[i]
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
     # --- views ------------------------------------------------------------------------------
-    def _param_view(self, i: int) -> torch.Tensor:
+    def _make_view(self, i: int) -> torch.Tensor:
         s = self.layout.slots[i]
         return self.flat[s.start:s.start + s.numel].view(s.shape)
 
@@ -103,7 +105,7 @@ class GradBuckets:
     def _make_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
             if self.as_views:
-                view = self._param_view(i)
+                view = self._views[i]
                 if p.grad.data_ptr() != view.data_ptr():  # someone reset .grad: fold it back in
                     view.add_(p.grad)
                     p.grad = view
@@ -123,7 +125,7 @@ class GradBuckets:
             if self.launched[b]:
                 raise RuntimeError(f"data parallel: a gradient for parameter {i} arrived after its bucket was "
                                    "all-reduced (zero 0/1): produce it before the last backward ends")
-            self._param_view(i).add_(grad)
+            self._views[i].add_(grad)
         else:
             if self.works[b] is not None:  # ZeRO 2/3 reducing every micro-batch
                 self._complete(b)
