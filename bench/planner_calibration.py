@@ -24,9 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# (name, dp, tp, pp): dp/tp/pp combinations of 1..4 on 1, 4 and 8 processes.
+# (name, dp, tp, pp): dp/tp/pp combinations of 1..4 on 4 and 8 processes, and one process.
 MATRIX = [
-    ("dp1", 1, 1, 1), ("dp2", 2, 1, 1), ("dp4", 4, 1, 1), ("dp8", 8, 1, 1),
+    ("dp1", 1, 1, 1), ("dp4", 4, 1, 1), ("dp8", 8, 1, 1),
     ("tp2dp2", 2, 2, 1), ("tp4", 1, 4, 1), ("tp2dp4", 4, 2, 1),
     ("pp2dp2", 2, 1, 2), ("pp4", 1, 1, 4), ("tp2pp2dp2", 2, 2, 2),
 ]

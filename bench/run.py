@@ -55,13 +55,13 @@ def _threed_ratios(r: dict) -> dict[str, float]:
 
 SECTIONS = [
     Script("overhead", "Framework overhead: threefold vs a plain PyTorch loop (single process)",
-           "--rounds 5 --steps 30", "--quick", lambda r: {"threefold / plain loop time": r["ratio"]},
+           "--rounds 4 --steps 30", "--quick", lambda r: {"threefold / plain loop time": r["ratio"]},
            {"threefold / plain": "<= 1.05"}),
     Script("dp_vs_ddp", "Data parallelism and ZeRO vs DDP, ZeroRedundancyOptimizer, FSDP2 (2 ranks)",
            "--rounds 6", "--quick", _dp_ratios,
            {"zero 0 / DDP": "<= 1.0", "zero 3 / FSDP2 time": "<= 0.8", "zero 3 / FSDP2 memory": "<= 1.0"}),
     Script("tp_vs_dtensor", "Tensor parallelism vs PyTorch DTensor",
-           "--rounds 3 --steps 10", "--tp 2 --sp off --rounds 2 --steps 2 --warmup 1",
+           "--rounds 3 --steps 6 --warmup 2", "--tp 2 --sp off --rounds 2 --steps 2 --warmup 1",
            lambda rows: {f"tp{r['tp']} sp {r['sp']} time": r["ratio"] for r in rows}, {"tp": "<= 0.8"}),
     Script("tp_memory", "Activation memory per rank vs the formulas (Korthikanti et al. 2022, adjusted)",
            "", "--tp 2 --attention flash --seq 128",
@@ -74,7 +74,7 @@ SECTIONS = [
                 "1f1b (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1), zb (p-1)/(3m+p-1). Every stage boundary costs "
                 "a gloo transfer the formulas count as zero."),
     Script("pp_vs_torch", "Pipeline schedules vs torch.distributed.pipelining",
-           "", "--quick --pairs 1f1b interleaved",
+           "--rounds 2", "--quick --pairs 1f1b interleaved",
            lambda rows: {f"{r['name']} p{r['p']} time": r["ratio"] for r in rows},
            {"gpipe": "<= 0.9", "1f1b": "<= 0.9", "interleaved": "<= 0.9"}),
     Script("moe_dispatch", "Expert parallelism: all-to-all dispatch and MoE tokens/s (ep 1, 2, 4; 4 ranks)",
@@ -84,10 +84,10 @@ SECTIONS = [
            note="On one CPU box ep trades each rank's share of expert matmuls for all-to-all traffic; the "
                 "ratios show what that exchange costs over gloo, not a speed-up to expect from CPUs."),
     Script("spans_overhead", "Span recording overhead: log.spans on vs off (tp2 x pp2, 4 ranks)",
-           "--rounds 3 --steps 40 --warmup 5", "--quick",
+           "--rounds 3 --steps 30 --warmup 5", "--quick",
            lambda r: {"spans on / off step time": r["on_ms"] / r["off_ms"]}, {"spans on": "<= 1.02"}),
     Script("checkpoint_bench", "Checkpoints: save/load throughput, async vs sync blocking, MTTR (CPU)",
-           "--presets tiny,small --steps 8 --interval 2", "--quick",
+           "--presets tiny,small --steps 6 --interval 2", "--quick",
            lambda r: {f"{p} async / sync blocking": v["async_over_sync"] for p, v in r.items()},
            {"tiny async": "<= 0.1", "small async": "<= 0.1"}),
     Script("planner_calibration", "Planner: calibrated on two runs, predicted vs measured step time (1-8 processes)",
@@ -95,7 +95,7 @@ SECTIONS = [
            lambda rows: {"worst held-out |predicted / measured - 1|": max(abs(r["error"]) for r in rows)},
            {"worst held-out": "<= 0.25"}),
     Script("threed_vs_torch", "Full 3D vs PyTorch's composable stack (FSDP2 + DTensor TP + pipelining)",
-           "--rounds 4 --steps 3", "--quick", _threed_ratios,
+           "--rounds 3 --steps 3", "--quick", _threed_ratios,
            {"tokens/s": ">= 1.0", "max loss": "<= 1e-05", "memory": "<= 1.05"}),
 ]
 
