@@ -8,9 +8,10 @@ Each layout runs `threefold train` for a few steps into <out>/<name> (run.json, 
 and, with log.spans, spans.jsonl: every rank's step split by category). A layout `threefold
 train` refuses is skipped with its one-line reason. The planner is then calibrated on the two
 runs named by --calibrate-on and predicts every run's median step time; the table marks errors
-over 25%. The default pair is dp4 (compute and the gradient all-reduce) and tp2 x dp2 (TP
-collectives), both four processes on the host's cores: the share of a core 1, 2 and 8
-processes get follows from the cpu profile's measured `core_share_exponent`.
+over 25%. The default pair is what a user has at hand: one process (compute alone) and the
+full 3D run, tp2 x pp2 x dp2 on 8 processes (TP collectives, pipeline transfers, the DP
+reduction, cores shared 4 ways); the share of a core 4 processes get follows from the cpu
+profile's measured `core_share_exponent`.
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--names", default="", help="comma-separated run names of the matrix to run (default: all)")
     ap.add_argument("--host-cores", type=int, default=0,
                     help="cores the processes really get (default: run.json's; less when the machine is shared)")
-    ap.add_argument("--calibrate-on", default="dp4,tp2dp2", help="two run names to fit on")
+    ap.add_argument("--calibrate-on", default="dp1,tp2pp2dp2", help="two run names to fit on")
     ap.add_argument("--fit", default="", help="parameters to fit (default: chosen by the planner)")
     ap.add_argument("--spans", type=int, default=1,
                     help="1: time each step by category (log.spans), so every run gives one equation per category")

@@ -559,31 +559,36 @@ def test_one_run_with_spans_separates_compute_from_communication(tmp_path):
     assert all(abs(r.fitted / r.measured - 1) < 1e-6 for r in cal.rows)
 
 
-def test_pipeline_on_shared_cores_is_bounded_by_critical_path_and_total_work():
+def test_pipeline_on_shared_cores_fills_the_bubble_with_other_ranks_work():
     from threefold.planner.cost import seconds
 
     shape = model_shape(build_config(None, [("model.preset", "small")]).model)
-    B, lay = 16, Layout(pp=4, dp=1, mbs=2)
-    m = lay.microbatches(B)
-    ratio = bubble_ratio("1f1b", 4, m, 1)
+    B = 16
 
-    def work(cluster):
+    def work(lay, cluster):
         t = step_terms(shape, cluster, lay, B, "fp32").categories
         return {c: seconds(t[c], cluster) for c in ("compute", "recompute", "overhead", "bubble")}
 
-    alone = work(cpu_cluster(devices_per_node=4, host_cores=4, layer_overhead_us=0.0, step_overhead_s=0.0))
-    # A core per process: the slowest stage's work plus the bubble at full speed.
-    assert alone["bubble"] == pytest.approx(ratio * alone["compute"])
-    slowest = alone["compute"] / m
-    whole = (shape.layers * shape.layer_hw_flops["none"] + shape.head_flops) * lay.mbs * shape.seq_len / 0.5 / 0.05e12
-    shared = work(cpu_cluster(devices_per_node=4, host_cores=2, layer_overhead_us=0.0, step_overhead_s=0.0,
-                                core_share_exponent=1.0))
-    # Four processes on two cores: max(critical path, all ranks' work / 2 cores).
-    expected = max(m * (1 + ratio) * slowest, m * whole / 2)
-    assert sum(shared.values()) == pytest.approx(expected)
-    assert shared["compute"] <= 2 * alone["compute"] + 1e-12 and shared["bubble"] >= 0
-    # Twice the cores' share would be the naive model: slower than both bounds.
-    assert sum(shared.values()) < 2 * sum(alone.values())
+    def cluster(cores, exponent=1.0):
+        return cpu_cluster(devices_per_node=4, host_cores=cores, layer_overhead_us=0.0, step_overhead_s=0.0,
+                           core_share_exponent=exponent)
+
+    for lay in (Layout(pp=4, dp=1, mbs=2), Layout(pp=2, dp=2, mbs=4)):
+        m = lay.microbatches(B)
+        ratio = bubble_ratio("1f1b", lay.pp, m, 1)
+        alone = work(lay, cluster(4))
+        # A core per process: the slowest stage's work plus the bubble, both at full speed.
+        assert alone["bubble"] == pytest.approx(ratio * alone["compute"])
+        for cores, exponent in ((2, 1.0), (2, 1.3), (3, 1.0)):
+            shared = work(lay, cluster(cores, exponent))
+            share = (cores / 4) ** exponent
+            # Four processes on fewer cores: the rank's own work at its share, or the critical
+            # path at a full core where that is longer (pp4 on 3 cores); never both added up.
+            assert shared["compute"] == pytest.approx(alone["compute"] / share)
+            expected = max(alone["compute"] / share, (1 + ratio) * alone["compute"])
+            assert sum(shared.values()) == pytest.approx(expected)
+            assert shared["bubble"] == pytest.approx(max(0.0, (1 + ratio) * alone["compute"] - shared["compute"]))
+            assert (shared["bubble"] > 0) == ((1 + ratio) * share > 1) == (cores == 3)
 
 
 def test_calibration_on_expert_parallel_runs(tmp_path):

@@ -327,17 +327,18 @@ def _with(cluster: Cluster, **changes) -> Cluster:
 
 
 def _choose(eqs) -> list[str]:
-    """Free parameters in PRIORITY order while each is visible and not (nearly) collinear."""
-    y = np.array([e[4] for e in eqs])
+    """Free parameters in PRIORITY order while each is visible and not (nearly) collinear with
+    those already free, judged on the rows as the fit weighs them (per run's step time)."""
+    w = np.array([1.0 / e[0].step_time_s for e in eqs])
     chosen: list[str] = []
     for name in PRIORITY:
         if len(chosen) >= len(eqs):
             break
-        col = np.array([e[2].get(name, 0.0) for e in eqs]) / y
+        col = np.array([e[2].get(name, 0.0) for e in eqs])
         if not np.any(col > 0):
             continue
         trial = chosen + [name]
-        m = np.array([[e[2].get(n, 0.0) for n in trial] for e in eqs]) / y[:, None]
+        m = np.array([[e[2].get(n, 0.0) for n in trial] for e in eqs]) * w[:, None]
         m = m / np.linalg.norm(m, axis=0)
         sv = np.linalg.svd(m, compute_uv=False)
         if sv[-1] > 0.05 * sv[0]:
