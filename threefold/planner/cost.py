@@ -30,8 +30,8 @@ The categories of one optimizer step on the slowest pipeline rank:
     pp_comm    2 (v m + p - 1) point-to-point transfers of sbh (sbh/t under SP) on the critical path
     bubble     (compute + recompute + tp_comm + ep_comm + layer overhead) * B/(1-B), B = bubble_theory(...):
                the ideal-time form (p-1)/m (gpipe, 1f1b), (p-1)/(v m) (interleaved), (p-1)/(3m) (zb).
-               Processes sharing too few cores (cpu): what the critical path at a full core
-               adds beyond the rank's own work at its share of a core
+               Processes sharing too few cores (cpu): what the larger of the critical path at a
+               full core and all ranks' work over the cores leaves beyond the rank's own work
     dp_comm    ZeRO 0 all-reduce 2(N-1)/N P; 1 and 2 reduce-scatter + all-gather, the same volume;
                3 reduce-scatter + an all-gather per micro-batch forward and backward; (1 - dp_overlap)
                of it exposed. MoE: dense parameters over dp, the experts (E_params / ep per
@@ -224,7 +224,7 @@ def step_terms(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch
     cats: dict[str, Terms] = {name: _scaled(terms, m) for name, terms in mb.items()}
     ratio = bubble_ratio(layout.schedule, p, m, v)
     if p > 1 and share < 1.0:
-        _oversubscribed_pipeline(cats, mb, m, ratio, share)
+        _oversubscribed_pipeline(cats, mb, micro_batch(shape.layers, True), m, p, ratio, share)
     else:
         cats["bubble"] = _scaled(merge_terms(*mb.values()), m * ratio)
 
@@ -268,20 +268,29 @@ def step_terms(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch
 WORK = ("compute", "recompute", "overhead")
 
 
-def _oversubscribed_pipeline(cats: dict[str, Terms], mb: dict[str, Terms], m: int, ratio: float,
-                             share: float) -> None:
-    """Pipeline ranks that share too few cores (cpu: more processes than cores). A rank idle in
-    the bubble leaves its core to the others, so the bubble is not added to the slowest rank's
-    work at its share of a core: the step is the larger of that work and the critical path at
-    a full core, m (1 + ratio) times the rank's work; the bubble is what the critical path
-    adds (per parameter, which keeps the terms linear). Only a critical-path-bound step idles
-    in the bubble's collectives."""
+def _oversubscribed_pipeline(cats: dict[str, Terms], mb: dict[str, Terms], whole: dict[str, Terms], m: int, p: int,
+                             ratio: float, share: float) -> None:
+    """Pipeline ranks that share too few cores (cpu: more processes than cores): a rank waiting
+    in the bubble leaves its core to the others, so the step is bounded below both by the
+    critical path at a full core each, m (1 + ratio) times the slowest rank's work, and by all
+    ranks' work spread over the cores, m times the average rank's work at the share. The
+    larger of the two (per parameter, which keeps the terms linear) is the work the slowest
+    rank's categories and the bubble split: its own work at the share where the step is that
+    long, the rest bubble. Only a critical-path-bound step idles in the bubble's collectives."""
+    work = merge_terms(*(mb[c] for c in WORK))
+    critical = _scaled(work, m * (1 + ratio) * share)
+    spread = _scaled(merge_terms(*(whole[c] for c in WORK)), m / p)
+    total = {k: max(critical.get(k, 0.0), spread.get(k, 0.0)) for k in set(critical) | set(spread)}
     own = merge_terms(*(cats[c] for c in WORK))
-    critical = _scaled(own, (1 + ratio) * share)
-    bubble = {k: critical[k] - own[k] for k in critical if critical[k] > own[k]}
-    if bubble.get("compute_efficiency", 0.0) > 0:
+    # The slowest rank's own work cannot take longer than the step's: it ran faster than its share.
+    fit = min([1.0] + [total[k] / own[k] for k in own if own[k] > 0])
+    for c in WORK:
+        cats[c] = _scaled(cats[c], fit)
+    bubble = {k: total[k] - fit * own.get(k, 0.0) for k in total}
+    flops = "compute_efficiency"
+    if critical.get(flops, 0.0) >= spread.get(flops, 0.0):
         bubble = merge_terms(bubble, _scaled(merge_terms(mb["tp_comm"], mb["ep_comm"]), m * ratio))
-    cats["bubble"] = bubble
+    cats["bubble"] = {k: c for k, c in bubble.items() if c > 0}
 
 
 def _gradient_sync(numel: float, n: int, zero: int, m: int, link: str, kp: int,
