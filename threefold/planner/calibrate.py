@@ -191,7 +191,8 @@ class Calibration:
 
     def changes(self) -> dict[str, tuple[float, float]]:
         return {name: (getattr(self.prior, name), getattr(self.cluster, name))
-                for name in PRIORITY + (EXPONENT,) if name in self.free or getattr(self.prior, name) != getattr(self.cluster, name)}
+                for name in PRIORITY + (EXPONENT,)
+                if name in self.free or getattr(self.prior, name) != getattr(self.cluster, name)}
 
     def as_dict(self) -> dict:
         return {

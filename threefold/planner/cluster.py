@@ -105,7 +105,8 @@ ALIASES = {"a100": "a100-80gb", "a100-80g": "a100-80gb", "a100-40g": "a100-40gb"
            "h100-80gb": "h100", "h200-sxm": "h200"}
 _FROM_PROFILE_IF = {"devices_per_node": 0, "peak_tflops": 0.0, "memory_gib": 0.0, "reserved_gib": 0.0,
                     "mem_bw_gbps": 0.0, "intra_bw_gbps": 0.0, "inter_bw_gbps": 0.0, "intra_latency_us": 0.0,
-                    "inter_latency_us": 0.0, "collective_overhead_us": -1.0, "compute_efficiency": 0.0, "layer_overhead_us": -1.0,
+                    "inter_latency_us": 0.0, "collective_overhead_us": -1.0, "compute_efficiency": 0.0,
+                    "layer_overhead_us": -1.0,
                     "step_overhead_s": -1.0, "dp_overlap": -1.0, "tp_overlap": -1.0, "core_share_exponent": 0.0}
 
 FIELDS = {f.name: f for f in dataclasses.fields(Cluster)}

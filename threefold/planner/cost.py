@@ -20,7 +20,8 @@ The categories of one optimizer step on the slowest pipeline rank:
                the sequence-sharded inputs; full recompute repeats the forward's; the vocab-
                parallel embedding (forward) and head (backward) add one each: without SP 4l + 2
                collectives, what the training loop's tp_comm_bytes counts. Ring volumes and
-               steps, plus a fixed cost per call, (1 - tp_overlap) of them exposed. An MoE block keeps attention's half; its routed
+               steps, plus a fixed cost per call, (1 - tp_overlap) of them exposed. An MoE
+               block keeps attention's half; its routed
                experts split the tokens over tp instead: without SP an all-gather of the output
                forward and of the input gradient backward (SP: none), plus a latency-only
                gather of the routing counts; a shared expert is a TP MLP (the dense half again).
