@@ -63,12 +63,8 @@ class Cluster:
     @property
     def core_share(self) -> float:
         """The share of a core each process gets: 1 unless more processes than cores (cpu)."""
-        return self.core_share_of(self.devices_per_node)
-
-    def core_share_of(self, busy: float) -> float:
-        """The share of a core each of `busy` processes competing for the host's cores gets."""
-        if self.host_cores > 0 and busy > self.host_cores:
-            return (self.host_cores / busy) ** (self.core_share_exponent or 1.0)
+        if self.host_cores > 0 and self.devices_per_node > self.host_cores:
+            return (self.host_cores / self.devices_per_node) ** (self.core_share_exponent or 1.0)
         return 1.0
 
     @property
