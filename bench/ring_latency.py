@@ -1,0 +1,94 @@
+"""Cost of one collective call and of one ring step when ranks share cores (the cpu profile's priors).
+
+    python bench/ring_latency.py                     # 4 ranks, groups of 2 and 4
+    python bench/ring_latency.py --world 8 --groups 2 4 8
+
+Every rank alternates a burst of matrix multiplications (what a training rank does between two
+TP collectives) with an all-reduce of a few floats inside its group of `g` consecutive ranks,
+the way TP groups are laid out. Only the all-reduce is timed. gloo's ring all-reduce takes
+2 (g - 1) steps, so the median time per call is fitted as
+
+    call(g) = collective_overhead + 2 (g - 1) * ring_step_latency
+
+over the group sizes. With more ranks than cores a rank's peer is often off its core when the
+rank's message arrives, so each step waits for the scheduler to give the peer its core back:
+that wait, not the wire, is the ring-step latency the planner's cpu profile uses.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dp_common import spawn  # noqa: E402
+
+
+def _rank_main(groups: list[int], calls: int, burst_ms: float) -> dict[int, float]:
+    """Median seconds per all-reduce for each group size, on this rank."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    a = torch.randn(192, 192)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    per_mm = (time.perf_counter() - t0) / 20
+    reps = max(1, round(burst_ms * 1e-3 / per_mm))
+    out = {}
+    for g in groups:
+        mine = None
+        for start in range(0, world, g):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(start, start + g)))
+            if start <= rank < start + g:
+                mine = group
+        x = torch.ones(4)
+        times = []
+        for i in range(calls):
+            for _ in range(reps):
+                a @ a
+            t = time.perf_counter()
+            dist.all_reduce(x, group=mine)
+            if i >= 3:  # the first calls connect the group
+                times.append(time.perf_counter() - t)
+        out[g] = statistics.median(times)
+        dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="bench/ring_latency.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=4, help="ranks (more than the host's cores to measure sharing)")
+    ap.add_argument("--groups", type=int, nargs="+", default=[2, 4], help="group sizes (each divides --world)")
+    ap.add_argument("--calls", type=int, default=200, help="timed all-reduces per group size")
+    ap.add_argument("--burst-ms", type=float, default=5.0, help="compute between two calls, milliseconds")
+    args = ap.parse_args(argv)
+    bad = [g for g in args.groups if g < 2 or args.world % g]
+    if bad or len(set(args.groups)) < 2:
+        ap.error(f"--groups needs two or more sizes >= 2 that divide --world {args.world} (got {args.groups})")
+    per_rank = spawn(_rank_main, args.world, args.groups, args.calls, args.burst_ms, timeout=600)
+    # The slowest rank's median per size, as the training step waits for its slowest rank.
+    call = {g: max(r[g] for r in per_rank) for g in args.groups}
+    steps = np.array([[1.0, 2 * (g - 1)] for g in args.groups])
+    (overhead, step), *_ = np.linalg.lstsq(steps, np.array([call[g] for g in args.groups]), rcond=None)
+    print(f"{args.world} ranks on {os.cpu_count()} cores, "
+          f"{args.burst_ms:g} ms of compute between calls")
+    print("| group | ring steps | ms per all-reduce |")
+    print("|---|---|---|")
+    for g in args.groups:
+        print(f"| {g} | {2 * (g - 1)} | {call[g] * 1e3:.2f} |")
+    print(f"fit: collective_overhead_us {overhead * 1e6:.0f}, intra_latency_us {step * 1e6:.0f}")
+    return {"world": args.world, "call_s": call, "collective_overhead_us": overhead * 1e6,
+            "intra_latency_us": step * 1e6}
+
+
+if __name__ == "__main__":
+    main()
