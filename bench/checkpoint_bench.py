@@ -86,11 +86,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--interval", type=int, default=4)
     ap.add_argument("--no-mttr", action="store_true", help="skip the restart measurement")
-    ap.add_argument("--quick", action="store_true", help="tiny preset only, 8 steps")
+    ap.add_argument("--quick", action="store_true", help="tiny preset only, 6 steps, a save every 2")
     ap.add_argument("--out", default="", help="also write the results as JSON here")
     args = ap.parse_args(argv)
     if args.quick:
-        args.presets, args.steps = "tiny", 8
+        args.presets, args.steps, args.interval = "tiny", 6, 2
     results = {}
     print("| preset | checkpoint MB | save MB/s | load MB/s | sync save blocks (ms) | async save blocks (ms) | "
           "async / sync | MTTR (s) |")

@@ -155,16 +155,17 @@ def plain_loop(overrides: dict, device: str, steps: int, cache_dir: str) -> list
 
     from threefold.data import GlobalBatchSampler, load_tokens
     from threefold.model.init import init_weights
+    from threefold.model.meta import materialize, on_meta
     from threefold.model.transformer import Transformer
     from threefold.train.optim import param_groups
 
     cfg = make_cfg(overrides, device, "bf16", steps, "", cache_dir)
     m, t = cfg.model, cfg.train
     dev = torch.device(device)
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(m)
-    model.to_empty(device=dev)
-    if m.tie_embeddings:  # to_empty re-creates the parameters: tie again (gpt presets), as build_model does
+    materialize(model, dev)
+    if m.tie_embeddings:  # materialize re-creates the parameters: tie again (gpt presets), as build_model does
         model.head.weight = model.tok_embed.weight
     init_weights(model, m, t.seed)
     fused = {"fused": True} if dev.type == "cuda" else {"foreach": True}

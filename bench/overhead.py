@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from threefold.config import build_config  # noqa: E402
 from threefold.data import load_tokens, GlobalBatchSampler  # noqa: E402
 from threefold.model.init import init_weights  # noqa: E402
+from threefold.model.meta import materialize, on_meta  # noqa: E402
 from threefold.model.transformer import Transformer  # noqa: E402
 from threefold.train.worker import run_worker  # noqa: E402
 from threefold.validate import validate  # noqa: E402
@@ -45,9 +46,9 @@ def threefold_step_times(preset: str, steps: int) -> list[float]:
 def plain_step_times(preset: str, steps: int) -> list[float]:
     cfg = make_cfg(preset, steps, "")
     m, t = cfg.model, cfg.train
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(m)
-    model.to_empty(device="cpu")
+    materialize(model, "cpu")
     init_weights(model, m, t.seed)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
@@ -72,10 +73,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--quick", action="store_true", help="2 rounds of 8 steps")
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 5 steps")
     args = ap.parse_args(argv)
     if args.quick:
-        args.rounds, args.steps = 2, 8
+        args.rounds, args.steps = 2, 5
     torch.set_num_threads(1)
     a_times, b_times = [], []
     for _ in range(args.rounds):

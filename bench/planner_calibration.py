@@ -87,11 +87,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="1: time each step by category (log.spans), so every run gives one equation per category")
     ap.add_argument("--reuse", action="store_true", help="keep finished run directories")
     ap.add_argument("--no-train", action="store_true", help="only calibrate on what is already in --out")
-    ap.add_argument("--quick", action="store_true", help="tiny preset, 4 steps, 5 layouts: indicative only")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny preset, 4 steps; calibrated on dp1 and tp2dp2, predicts pp2dp2: indicative only")
     args = ap.parse_args(argv)
     if args.quick:
         args.preset, args.steps = "tiny", 4
-        args.names = args.names or "dp1,dp4,tp2dp2,pp2dp2,tp2pp2dp2"
+        args.names = args.names or "dp1,tp2dp2,pp2dp2"
+        if args.calibrate_on == ap.get_default("calibrate_on"):
+            args.calibrate_on = "dp1,tp2dp2"
 
     out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Cost of one collective call and of one ring step when ranks share cores (the cpu profile's priors).
 
     python bench/ring_latency.py                     # 4 ranks, groups of 2 and 4
-    python bench/ring_latency.py --world 8 --groups 2 4 8
+    python bench/ring_latency.py --world 8 --groups 2 4 8 --burst-ms 5
 
 Every rank alternates a burst of matrix multiplications (what a training rank does between two
 TP collectives) with an all-reduce of a few floats inside its group of `g` consecutive ranks,
@@ -68,9 +68,13 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=4, help="ranks (more than the host's cores to measure sharing)")
     ap.add_argument("--groups", type=int, nargs="+", default=[2, 4], help="group sizes (each divides --world)")
-    ap.add_argument("--calls", type=int, default=200, help="timed all-reduces per group size")
-    ap.add_argument("--burst-ms", type=float, default=5.0, help="compute between two calls, milliseconds")
+    ap.add_argument("--calls", type=int, default=80, help="timed all-reduces per group size")
+    ap.add_argument("--burst-ms", type=float, default=20.0,
+                    help="compute between two calls, milliseconds (training's TP collectives: ~10-40)")
+    ap.add_argument("--quick", action="store_true", help="30 calls per group size: indicative only")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.calls = 30
     bad = [g for g in args.groups if g < 2 or args.world % g]
     if bad or len(set(args.groups)) < 2:
         ap.error(f"--groups needs two or more sizes >= 2 that divide --world {args.world} (got {args.groups})")

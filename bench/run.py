@@ -90,6 +90,11 @@ SECTIONS = [
            "--presets tiny,small --steps 6 --interval 2", "--quick",
            lambda r: {f"{p} async / sync blocking": v["async_over_sync"] for p, v in r.items()},
            {"tiny async": "<= 0.1", "small async": "<= 0.1"}),
+    Script("ring_latency", "Collective call cost and ring-step latency with ranks sharing cores (gloo, 4 ranks)",
+           "", "--quick",
+           lambda r: {"group of 4 / group of 2 all-reduce time": r["call_s"][4] / r["call_s"][2]},
+           note="The cpu planner profile's intra_latency_us and collective_overhead_us priors come from this "
+                "measurement (docs/planner.md)."),
     Script("planner_calibration", "Planner: calibrated on two runs, predicted vs measured step time (1-8 processes)",
            "--out runs/planner_calibration --steps 8", "--quick --out runs/planner_calibration_quick",
            lambda rows: {"worst held-out |predicted / measured - 1|": max(abs(r["error"]) for r in rows)},

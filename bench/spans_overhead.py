@@ -42,10 +42,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="2 rounds of 8 steps: indicative only")
+    ap.add_argument("--quick", action="store_true", help="1 round (off, on) of 6 steps: indicative only")
     args = ap.parse_args(ours)
     if args.quick:
-        args.rounds, args.steps, args.warmup = 2, 8, 2
+        args.rounds, args.steps, args.warmup = 1, 6, 2
     extra = extra or DEFAULT
     off, on = [], []
     for r in range(args.rounds):

@@ -67,13 +67,14 @@ def dtensor_contestant(cfg, sp: bool):
                                                    SequenceParallel, loss_parallel, parallelize_module)
 
     from threefold.model.init import init_weights
+    from threefold.model.meta import materialize, on_meta
     from threefold.model.transformer import Transformer
     from threefold.train.optim import param_groups
 
     mesh = init_device_mesh("cpu", (cfg.parallel.tp,))
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(cfg.model)
-    model.to_empty(device="cpu")
+    materialize(model, "cpu")
     init_weights(model, cfg.model, cfg.train.seed)
     seq = Shard(0)  # our activations are [seq, batch, hidden]
     region = seq if sp else Replicate()

@@ -43,12 +43,14 @@ def stdlib_source_files() -> list[Path]:
     """
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
-    for f in root.rglob("*.py"):
-        rel = f.relative_to(root)
-        if "site-packages" in rel.parts or "dist-packages" in rel.parts:
-            continue
-        if f.is_file():
-            files.append((rel.as_posix(), f))
+    # Prune installed packages while walking (torch alone is tens of thousands of entries);
+    # like rglob, symlinked directories are not followed.
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages")]
+        for name in filenames:
+            f = Path(dirpath) / name
+            if name.endswith(".py") and f.is_file():
+                files.append((f.relative_to(root).as_posix(), f))
     return [f for _, f in sorted(files)]
 
 

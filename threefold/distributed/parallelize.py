@@ -20,6 +20,7 @@ from threefold.distributed.expert_parallel import apply_expert_parallel
 from threefold.distributed.grid import Grid
 from threefold.distributed.tensor_parallel import apply_tensor_parallel
 from threefold.model.init import init_weights
+from threefold.model.meta import materialize, on_meta
 from threefold.model.recompute import apply_recompute
 from threefold.model.transformer import Transformer
 
@@ -28,15 +29,15 @@ def build_model(cfg, grid: Grid, device: torch.device, layer_ids: list[int] | No
                 first: bool = True, last: bool = True) -> nn.Module:
     """The whole model, or one pipeline chunk (its `layer_ids`, with the embedding if `first`
     and the head and loss if `last`)."""
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(cfg.model, layer_ids, first, last)
         apply_tensor_parallel(model, grid, cfg.parallel.sp)
         apply_expert_parallel(model, grid, cfg.model)
     apply_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
-    model.to_empty(device=device)
+    materialize(model, device)
     tied = cfg.model.tie_embeddings
     if tied and first and last:
-        model.head.weight = model.tok_embed.weight  # to_empty re-creates parameters: re-tie
+        model.head.weight = model.tok_embed.weight  # materialize re-creates parameters: re-tie
     # A last stage without the embedding holds its own copy of the tied weight: same values.
     names = {"head.weight": "tok_embed.weight"} if tied and last and not first else None
     init_weights(model, cfg.model, cfg.train.seed, names)

@@ -72,9 +72,10 @@ def read_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 def _check_shapes(tensors: dict[str, torch.Tensor], m: ModelConfig, where: str) -> None:
     """Every tensor the threefold model has is present with its shape, and nothing else."""
+    from threefold.model.meta import on_meta
     from threefold.model.transformer import Transformer
 
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(m)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     missing = sorted(set(expected) - set(tensors))

@@ -1,0 +1,52 @@
+"""Meta-device construction: initializers skipped, storage made with torch.empty, and no import
+of torch's compiler stack on the way (it cost every process ~2.5 s at launch)."""
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+from threefold.model.meta import materialize, on_meta
+
+
+def test_on_meta_skips_initializers_and_materialize_keeps_parameters():
+    calls = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+            self.emb = nn.Embedding(5, 4)
+            self.norm = nn.LayerNorm(4)
+            self.register_buffer("scale", torch.ones(2))
+            self.lin.weight.requires_grad_(False)
+            calls.append(self.emb.weight.normal_().is_meta)  # a fill on meta is still a no-op
+
+    with on_meta():
+        m = Probe()
+    assert calls == [True] and all(p.is_meta for p in m.parameters())
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()}
+    materialize(m, "cpu")
+    assert {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()} == shapes
+    assert all(t.device.type == "cpu" for t in m.state_dict().values())
+    assert isinstance(m.lin.bias, nn.Parameter) and m.lin.bias.requires_grad and not m.lin.weight.requires_grad
+    # Outside the context initializers run again.
+    w = torch.zeros(3, 3)
+    nn.init.normal_(w)
+    assert w.abs().sum() > 0
+
+
+def test_building_a_model_does_not_import_the_compiler():
+    code = ("import sys, torch\n"
+            "from threefold.config import build_config\n"
+            "from threefold.distributed.grid import Grid, Group, RankLayout\n"
+            "from threefold.distributed.parallelize import build_model\n"
+            "cfg = build_config(None, [('model.preset', 'tiny')])\n"
+            "names = ('tp', 'pp', 'cp', 'ep', 'edp', 'expert_dp', 'dp_cp', 'mp', 'world', 'dp')\n"
+            "grid = Grid(RankLayout(), 0, {n: Group(n, [0], None) for n in names})\n"
+            "model = build_model(cfg, grid, torch.device('cpu'))\n"
+            "assert all(not p.is_meta for p in model.parameters())\n"
+            "print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False"]
