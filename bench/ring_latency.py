@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dp_common import spawn  # noqa: E402
 
 
-def _rank_main(groups: list[int], calls: int, burst_ms: float) -> dict[int, float]:
+def _rank_main(groups: list[int], calls: int, burst_ms: float, rounds: int) -> dict[int, float]:
     """Median seconds per all-reduce for each group size, on this rank."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -39,28 +39,32 @@ def _rank_main(groups: list[int], calls: int, burst_ms: float) -> dict[int, floa
     t0 = time.perf_counter()
     for _ in range(20):
         a @ a
-    per_mm = (time.perf_counter() - t0) / 20
-    reps = max(1, round(burst_ms * 1e-3 / per_mm))
-    out = {}
+    # Every rank does the same work between calls (its own timing, taken on a shared core,
+    # would differ): the fastest rank's estimate, agreed by all.
+    per_mm = torch.tensor([(time.perf_counter() - t0) / 20])
+    dist.all_reduce(per_mm, op=dist.ReduceOp.MIN)
+    reps = max(1, round(burst_ms * 1e-3 / per_mm.item()))
+    mine = {}
     for g in groups:
-        mine = None
         for start in range(0, world, g):  # every rank creates every group, in the same order
             group = dist.new_group(list(range(start, start + g)))
             if start <= rank < start + g:
-                mine = group
-        x = torch.ones(4)
-        times = []
-        for i in range(calls):
-            for _ in range(reps):
-                a @ a
-            t = time.perf_counter()
-            dist.all_reduce(x, group=mine)
-            if i >= 3:  # the first calls connect the group
-                times.append(time.perf_counter() - t)
-        out[g] = statistics.median(times)
-        dist.barrier()
+                mine[g] = group
+    x = torch.ones(4)
+    for g in groups:  # connect each group before timing
+        dist.all_reduce(x, group=mine[g])
+    times: dict[int, list[float]] = {g: [] for g in groups}
+    for r in range(rounds):  # group sizes alternate (A, B, A, B ...) so machine drift hits all alike
+        for g in (groups if r % 2 == 0 else groups[::-1]):
+            dist.barrier()
+            for _ in range(calls // rounds):
+                for _ in range(reps):
+                    a @ a
+                t = time.perf_counter()
+                dist.all_reduce(x, group=mine[g])
+                times[g].append(time.perf_counter() - t)
     dist.destroy_process_group()
-    return out
+    return {g: statistics.median(v) for g, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -71,14 +75,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--calls", type=int, default=80, help="timed all-reduces per group size")
     ap.add_argument("--burst-ms", type=float, default=20.0,
                     help="compute between two calls, milliseconds (training's TP collectives: ~10-40)")
+    ap.add_argument("--rounds", type=int, default=4, help="blocks per group size, the sizes alternating")
     ap.add_argument("--quick", action="store_true", help="30 calls per group size: indicative only")
     args = ap.parse_args(argv)
     if args.quick:
-        args.calls = 30
+        args.calls, args.rounds = 30, 2
     bad = [g for g in args.groups if g < 2 or args.world % g]
     if bad or len(set(args.groups)) < 2:
         ap.error(f"--groups needs two or more sizes >= 2 that divide --world {args.world} (got {args.groups})")
-    per_rank = spawn(_rank_main, args.world, args.groups, args.calls, args.burst_ms, timeout=600)
+    per_rank = spawn(_rank_main, args.world, args.groups, args.calls, args.burst_ms, args.rounds, timeout=600)
     # The slowest rank's median per size, as the training step waits for its slowest rank.
     call = {g: max(r[g] for r in per_rank) for g in args.groups}
     steps = np.array([[1.0, 2 * (g - 1)] for g in args.groups])

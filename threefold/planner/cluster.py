@@ -92,12 +92,12 @@ PROFILES: dict[str, dict[str, Any]] = {
                  intra_bw_gbps=360.0, inter_bw_gbps=45.0, compute_efficiency=0.62),
     # CPU: the peak is measured (observe.peak, one thread per process), memory is the host's
     # RAM shared by the processes, and gloo over shared memory/loopback is the "link". Latency
-    # and call cost are bench/ring_latency.py's on 2 cores with 4 ranks computing 10-20 ms
-    # between calls (0.9-1.2 ms per ring step, 2-4 ms per call): with more ranks than cores a
-    # ring step waits for the peer to get a core back, which dwarfs the wire; one process per
-    # core pays far less, and calibration refits both.
+    # and call cost are bench/ring_latency.py's on 2 cores with 4 ranks computing 20 ms between
+    # calls (medians of three runs; 1.2-1.7 ms per ring step, 2.4-4.6 ms per call): with more
+    # ranks than cores a ring step waits for the peer to get a core back, which dwarfs the
+    # wire; one process per core pays far less, and calibration refits both.
     "cpu": dict(peak_name="cpu", reserved_gib=0.5, mem_bw_gbps=5.0, intra_bw_gbps=1.0, inter_bw_gbps=0.1,
-                intra_latency_us=1000.0, inter_latency_us=1000.0, collective_overhead_us=3000.0, compute_efficiency=0.5,
+                intra_latency_us=1400.0, inter_latency_us=1400.0, collective_overhead_us=3700.0, compute_efficiency=0.5,
                 layer_overhead_us=1000.0,
                 step_overhead_s=0.01, dp_overlap=0.0, tp_overlap=0.0, core_share_exponent=1.3),
 }
