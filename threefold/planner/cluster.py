@@ -95,7 +95,8 @@ PROFILES: dict[str, dict[str, Any]] = {
     # and call cost are bench/ring_latency.py's on 2 cores with 4 ranks computing 20 ms between
     # calls (medians of three runs; 1.2-1.7 ms per ring step, 2.4-4.6 ms per call): with more
     # ranks than cores a ring step waits for the peer to get a core back, which dwarfs the
-    # wire; one process per core pays far less, and calibration refits both.
+    # wire; one process per core pays far less, and calibration refits both. Between CPU nodes
+    # (not measured) the same wait is assumed, the scheduler's share dwarfing a LAN hop.
     "cpu": dict(peak_name="cpu", reserved_gib=0.5, mem_bw_gbps=5.0, intra_bw_gbps=1.0, inter_bw_gbps=0.1,
                 intra_latency_us=1400.0, inter_latency_us=1400.0, collective_overhead_us=3700.0, compute_efficiency=0.5,
                 layer_overhead_us=1000.0,
