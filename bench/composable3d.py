@@ -34,18 +34,15 @@ def torch_contestant(cfg, schedule: str, mesh, n_local_tokens: int):
     from torch.distributed.tensor.parallel import loss_parallel
 
     from threefold.distributed.pipeline.partition import stage_layer_ids
-    from threefold.model.init import init_weights
-    from threefold.model.meta import materialize, on_meta
-    from threefold.model.transformer import Transformer
+    from threefold.model.meta import plain_model
     from threefold.train.optim import param_groups
 
     t, p = cfg.train, cfg.parallel.pp
     r = mesh["pp"].get_local_rank()
     first, last = r == 0, r == p - 1
-    with on_meta():
-        chunk = Transformer(cfg.model, stage_layer_ids(cfg.model, p, 1, cfg.parallel.stage_layers)[r], first, last)
-    materialize(chunk, "cpu")
-    init_weights(chunk, cfg.model, t.seed)  # the same layout-invariant values threefold's chunks hold
+    # the same layout-invariant values threefold's chunks hold
+    chunk = plain_model(cfg.model, t.seed, "cpu", stage_layer_ids(cfg.model, p, 1, cfg.parallel.stage_layers)[r],
+                        first, last)
     _tp_plan(chunk, mesh["tp"])
     for block in chunk.layers.values():
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)

@@ -154,20 +154,13 @@ def plain_loop(overrides: dict, device: str, steps: int, cache_dir: str) -> list
     import torch
 
     from threefold.data import GlobalBatchSampler, load_tokens
-    from threefold.model.init import init_weights
-    from threefold.model.meta import materialize, on_meta
-    from threefold.model.transformer import Transformer
+    from threefold.model.meta import plain_model
     from threefold.train.optim import param_groups
 
     cfg = make_cfg(overrides, device, "bf16", steps, "", cache_dir)
     m, t = cfg.model, cfg.train
     dev = torch.device(device)
-    with on_meta():
-        model = Transformer(m)
-    materialize(model, dev)
-    if m.tie_embeddings:  # materialize re-creates the parameters: tie again (gpt presets), as build_model does
-        model.head.weight = model.tok_embed.weight
-    init_weights(model, m, t.seed)
+    model = plain_model(m, t.seed, dev)  # tied like build_model's (gpt presets)
     fused = {"fused": True} if dev.type == "cuda" else {"foreach": True}
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
                             **fused)

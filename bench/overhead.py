@@ -23,9 +23,7 @@ import torch  # noqa: E402
 
 from threefold.config import build_config  # noqa: E402
 from threefold.data import load_tokens, GlobalBatchSampler  # noqa: E402
-from threefold.model.init import init_weights  # noqa: E402
-from threefold.model.meta import materialize, on_meta  # noqa: E402
-from threefold.model.transformer import Transformer  # noqa: E402
+from threefold.model.meta import plain_model  # noqa: E402
 from threefold.train.worker import run_worker  # noqa: E402
 from threefold.validate import validate  # noqa: E402
 
@@ -46,10 +44,7 @@ def threefold_step_times(preset: str, steps: int) -> list[float]:
 def plain_step_times(preset: str, steps: int) -> list[float]:
     cfg = make_cfg(preset, steps, "")
     m, t = cfg.model, cfg.train
-    with on_meta():
-        model = Transformer(m)
-    materialize(model, "cpu")
-    init_weights(model, m, t.seed)
+    model = plain_model(m, t.seed, "cpu")
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": other, "weight_decay": 0.0}],

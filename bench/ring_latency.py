@@ -17,7 +17,6 @@ that wait, not the wire, is the ring-step latency the planner's cpu profile uses
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -29,6 +28,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dp_common import spawn  # noqa: E402
+
+from threefold.observe.metrics import available_cores  # noqa: E402
 
 
 def _rank_main(groups: list[int], calls: int, burst_ms: float, rounds: int) -> dict[int, float]:
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     call = {g: max(r[g] for r in per_rank) for g in args.groups}
     steps = np.array([[1.0, 2 * (g - 1)] for g in args.groups])
     (overhead, step), *_ = np.linalg.lstsq(steps, np.array([call[g] for g in args.groups]), rcond=None)
-    print(f"{args.world} ranks on {os.cpu_count()} cores, "
+    print(f"{args.world} ranks on {available_cores()} cores, "
           f"{args.burst_ms:g} ms of compute between calls")
     print("| group | ring steps | ms per all-reduce |")
     print("|---|---|---|")

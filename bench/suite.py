@@ -106,13 +106,14 @@ def machine() -> dict:
     """CPU model, cores this process may use, memory, torch/python versions, load, GPU."""
     import torch
 
+    from threefold.observe.metrics import available_cores
     from threefold.observe.peak import cpu_model
 
     mem_gib = 0.0
     with contextlib.suppress(OSError, ValueError, IndexError):
         with open("/proc/meminfo") as f:
             mem_gib = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) / 2**20
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = available_cores()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return {"cpu": cpu_model(), "cores": cores, "memory_gib": round(mem_gib, 1), "torch": torch.__version__,

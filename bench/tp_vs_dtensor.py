@@ -66,16 +66,11 @@ def dtensor_contestant(cfg, sp: bool):
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, loss_parallel, parallelize_module)
 
-    from threefold.model.init import init_weights
-    from threefold.model.meta import materialize, on_meta
-    from threefold.model.transformer import Transformer
+    from threefold.model.meta import plain_model
     from threefold.train.optim import param_groups
 
     mesh = init_device_mesh("cpu", (cfg.parallel.tp,))
-    with on_meta():
-        model = Transformer(cfg.model)
-    materialize(model, "cpu")
-    init_weights(model, cfg.model, cfg.train.seed)
+    model = plain_model(cfg.model, cfg.train.seed, "cpu")
     seq = Shard(0)  # our activations are [seq, batch, hidden]
     region = seq if sp else Replicate()
     plan = {"tok_embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=region),

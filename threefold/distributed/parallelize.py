@@ -19,8 +19,7 @@ from torch import nn
 from threefold.distributed.expert_parallel import apply_expert_parallel
 from threefold.distributed.grid import Grid
 from threefold.distributed.tensor_parallel import apply_tensor_parallel
-from threefold.model.init import init_weights
-from threefold.model.meta import materialize, on_meta
+from threefold.model.meta import materialize, on_meta, tie_and_init
 from threefold.model.recompute import apply_recompute
 from threefold.model.transformer import Transformer
 
@@ -35,12 +34,7 @@ def build_model(cfg, grid: Grid, device: torch.device, layer_ids: list[int] | No
         apply_expert_parallel(model, grid, cfg.model)
     apply_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
     materialize(model, device)
-    tied = cfg.model.tie_embeddings
-    if tied and first and last:
-        model.head.weight = model.tok_embed.weight  # materialize re-creates parameters: re-tie
-    # A last stage without the embedding holds its own copy of the tied weight: same values.
-    names = {"head.weight": "tok_embed.weight"} if tied and last and not first else None
-    init_weights(model, cfg.model, cfg.train.seed, names)
+    tie_and_init(model, cfg.model, cfg.train.seed, first, last)
     torch.manual_seed(dropout_seed(cfg.train.seed, grid, cfg.parallel.sp))
     return model
 

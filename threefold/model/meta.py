@@ -1,4 +1,4 @@
-"""Build a module on the meta device, then give it real (uninitialized) storage.
+"""Build a module on the meta device, give it real storage, fill it with the initializer.
 
 Why not just `with torch.device("meta")` and `Module.to_empty`: on meta tensors the default
 initializers (`nn.Linear`'s kaiming_uniform_, `nn.Embedding`'s normal_) and `empty_like` run
@@ -14,6 +14,9 @@ import contextlib
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from threefold.model.init import init_weights
+from threefold.model.transformer import Transformer
 
 # Random or computed fills a module's constructor applies to its fresh parameters.
 _INITIALIZERS = frozenset({
@@ -47,3 +50,25 @@ def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
     """`module.to_empty(device=device)`, allocating with `torch.empty` (see the module docstring).
     Parameters are re-created: re-tie tied weights afterwards."""
     return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
+def tie_and_init(model: nn.Module, cfg, seed: int, first: bool = True, last: bool = True) -> None:
+    """Fill a materialized model (or pipeline chunk) with the layout-invariant initializer,
+    re-tying a tied head first (materialize re-created the parameters). A last stage without
+    the embedding holds its own copy of the tied weight: the same values."""
+    tied = cfg.tie_embeddings
+    if tied and first and last:
+        model.head.weight = model.tok_embed.weight
+    names = {"head.weight": "tok_embed.weight"} if tied and last and not first else None
+    init_weights(model, cfg, seed, names)
+
+
+def plain_model(cfg, seed: int, device: torch.device | str, layer_ids: list[int] | None = None,
+                first: bool = True, last: bool = True) -> Transformer:
+    """The model (or one pipeline chunk) without any parallelism, initialized as every layout
+    is: what the PyTorch-native peers of the benchmarks start from."""
+    with on_meta():
+        model = Transformer(cfg, layer_ids, first, last)
+    materialize(model, device)
+    tie_and_init(model, cfg, seed, first, last)
+    return model

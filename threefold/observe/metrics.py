@@ -91,11 +91,18 @@ class MetricsWriter:
         self.close()
 
 
-def _total_ram_bytes() -> int | None:
+def total_ram_bytes() -> int | None:
+    """The host's physical memory, or None where the platform does not say."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity mask, e.g. a container's share), not the
+    host's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def hardware_info(device: torch.device | str) -> dict:
@@ -104,7 +111,7 @@ def hardware_info(device: torch.device | str) -> dict:
     info = {
         "cpu_model": cpu_model(),
         "logical_cores": os.cpu_count(),
-        "ram_bytes": _total_ram_bytes(),
+        "ram_bytes": total_ram_bytes(),
         "torch_threads": torch.get_num_threads(),
         "device_type": device.type,
     }

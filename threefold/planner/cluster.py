@@ -12,13 +12,13 @@ bandwidth" nccl-tests reports), latencies in microseconds, memory in GiB.
 from __future__ import annotations
 
 import dataclasses
-import os
 import typing
 from dataclasses import dataclass
 from typing import Any
 
 from threefold.config import knob, read_toml_file
 from threefold.errors import ConfigError
+from threefold.observe.metrics import available_cores, total_ram_bytes
 
 GiB = float(1 << 30)
 
@@ -189,13 +189,13 @@ def _fill_from_profile(c: Cluster, cache_dir: str) -> None:
         if getattr(c, key) == unset and key in prof:
             setattr(c, key, prof[key])
     if c.device == "cpu":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = available_cores()
         if c.devices_per_node == 0:
             c.devices_per_node = cores
         if c.host_cores == 0:
             c.host_cores = cores
         if c.memory_gib == 0.0:
-            c.memory_gib = _host_ram_bytes() / GiB / c.devices_per_node
+            c.memory_gib = float(total_ram_bytes() or 16 * GiB) / GiB / c.devices_per_node
         if c.peak_tflops == 0.0:
             c.peak_tflops = measured_cpu_peak(cache_dir) / 1e12
     elif c.peak_tflops == 0.0:
@@ -221,13 +221,6 @@ def measured_cpu_peak(cache_dir: str = "", threads: int = 1) -> float:
     from threefold.observe.peak import cpu_peak_flops
 
     return cpu_peak_flops(torch.float32, threads=threads, cache_dir=cache_dir)
-
-
-def _host_ram_bytes() -> float:
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 16 * GiB
 
 
 def check_cluster(c: Cluster) -> None:
