@@ -96,6 +96,8 @@ class TrainConfig:
     grad_reduce_dtype: str = knob("auto", "Dtype of gradient accumulation and data-parallel reduction "
                                   "(auto = parameter dtype)", ("auto", "fp32", "bf16", "fp16"))
     loss_scale: str = knob("auto", "Loss scaling: auto (dynamic for fp16, none otherwise), none, dynamic, or a number")
+    initial_loss_scale: float = knob(65536.0, "Starting value of a dynamic loss scale (halved at each overflow)")
+    loss_scale_window: int = knob(1000, "Overflow-free steps in a row after which a dynamic loss scale doubles")
     recompute: str = knob("none", "Activation recomputation: selective = attention core, full = whole blocks",
                           ("none", "selective", "full"))
     recompute_layers: int = knob(0, "Blocks per pipeline stage that full recompute covers, from the first (0 = all)")

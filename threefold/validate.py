@@ -149,7 +149,10 @@ def validate_train(cfg: Config) -> None:
                           "valid: auto, dynamic, a number, or train.dtype bf16")
     from threefold.distributed.data_parallel import MixedPrecision
 
-    MixedPrecision.from_names("fp32" if t.dtype == "auto" else t.dtype, t.grad_reduce_dtype, t.loss_scale)
+    _positive("train.initial_loss_scale", t.initial_loss_scale)
+    _positive("train.loss_scale_window", t.loss_scale_window)
+    MixedPrecision.from_names("fp32" if t.dtype == "auto" else t.dtype, t.grad_reduce_dtype, t.loss_scale,
+                              t.initial_loss_scale, t.loss_scale_window)
     if t.recompute_layers and t.recompute != "full":
         raise ConfigError("train.recompute_layers", f"{t.recompute_layers} applies only to full recompute "
                           f"(train.recompute is {t.recompute!r})", "set train.recompute full or recompute_layers 0")

@@ -73,6 +73,7 @@ def resume(cfg, state, engine, log) -> int:
     directory, manifest = found
     load_into(state, directory, manifest)
     refresh_params(engine, manifest.extra["optimizer_step"])  # working weights from the loaded masters
+    engine.scaler.load_state_dict(manifest.extra.get("loss_scaler", {}))  # an fp16 run's dynamic scale
     log(f"threefold: resumed from {directory} at step {manifest.step}")
     return manifest.step
 
@@ -97,7 +98,8 @@ def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
     model = nn.ModuleList(chunks)  # this rank's pipeline chunks (one without pipelining)
     tied = tied_head_weights(chunks, cfg, grid)  # the embedding and its copy on the last stage
     tied_copy = [w for c in chunks if c.tok_embed is None for w in tied_head_weights([c], cfg, grid)]
-    precision = MixedPrecision.from_names(DTYPE_NAMES[dtype], t.grad_reduce_dtype, t.loss_scale)
+    precision = MixedPrecision.from_names(DTYPE_NAMES[dtype], t.grad_reduce_dtype, t.loss_scale,
+                                          t.initial_loss_scale, t.loss_scale_window)
     engine = build_data_parallel(chunks, grid, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb,
                                  precision=precision, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                                  own_bucket=tied)
@@ -120,7 +122,7 @@ def train(cfg, grid: Grid, device: torch.device, log=print, probe=None) -> dict:
         initialize_from(cfg, state, engine, log if is_logger else _quiet)
     metrics = MetricsWriter(cfg.log.dir, enabled=is_logger, append=continues_run(start_step),
                             tensorboard=cfg.log.tensorboard)
-    guard = RunGuard(cfg, grid, chunks, state, start_step, log if is_logger else _quiet)
+    guard = RunGuard(cfg, grid, chunks, state, start_step, log if is_logger else _quiet, engine.scaler)
     observer = StepObserver(cfg.log, grid, device, is_logger)  # log.spans: where each rank's step time went
     observer.attach(chunks, engine)
     phase = observer.phase  # from here on, until the next phase(), the step's time counts as this category

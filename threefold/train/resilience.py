@@ -1,6 +1,6 @@
 """What the training loop does to survive failures, behind a few calls:
 
-    guard = RunGuard(cfg, grid, chunks, state, start_step, log)
+    guard = RunGuard(cfg, grid, chunks, state, start_step, log, scaler)
     guard.step_begins(step)                        # injected kill / hang / NaN
     compute_s = guard.compute_time(step, pipe)     # injected slowness; straggler input
     norm = guard.agree(norm, loss_sum, compute_s, engine)   # one all_gather: skip NaN globally
@@ -30,8 +30,10 @@ def continues_run(start_step: int) -> bool:
 
 
 class RunGuard:
-    def __init__(self, cfg, grid, chunks: list, state: list, start_step: int, log=print):
+    def __init__(self, cfg, grid, chunks: list, state: list, start_step: int, log=print, scaler=None):
+        """`scaler`: the engine's loss scaler, whose state each checkpoint carries (fp16)."""
         t, c = cfg.train, cfg.checkpoint
+        self.scaler = scaler
         self.cfg, self.rank, self.log = cfg, grid.global_rank, log
         is_logger = grid.global_rank == 0
         self.segment = uuid.uuid4().hex[:8]
@@ -71,7 +73,10 @@ class RunGuard:
         if self.ckpt is not None and ((c.interval and (step + 1) % c.interval == 0) or step + 1 == t.steps):
             if before_save is not None:
                 before_save()
-            record["ckpt_block_s"] = self.ckpt.save(step + 1, {"optimizer_step": step + 1})
+            extra = {"optimizer_step": step + 1}
+            if self.scaler is not None:
+                extra["loss_scaler"] = self.scaler.state_dict()
+            record["ckpt_block_s"] = self.ckpt.save(step + 1, extra)
             self.goodput.write()
         record.update(self.goodput.update(record))
 

@@ -43,16 +43,20 @@ class MixedPrecision:
         if isinstance(self.loss_scale, (int, float)) and not self.loss_scale > 0:
             raise ConfigError("train.loss_scale", f"{self.loss_scale} must be > 0", "dynamic or a number > 0")
         if self.growth_interval < 1:
-            raise ConfigError("train.loss_scale", f"growth interval {self.growth_interval} must be >= 1")
+            raise ConfigError("train.loss_scale_window", f"{self.growth_interval} must be >= 1")
+        if not self.initial_scale > 0:
+            raise ConfigError("train.initial_loss_scale", f"{self.initial_scale} must be > 0")
 
     @property
     def grad_dtype(self) -> torch.dtype:
         return self.reduce_dtype or self.param_dtype
 
     @classmethod
-    def from_names(cls, dtype: str, reduce_dtype: str = "auto", loss_scale: str = "auto") -> "MixedPrecision":
+    def from_names(cls, dtype: str, reduce_dtype: str = "auto", loss_scale: str = "auto",
+                   initial_scale: float = 2.0 ** 16, growth_interval: int = 1000) -> "MixedPrecision":
         """From config strings: dtype fp32|bf16|fp16; reduce_dtype auto|fp32|bf16|fp16;
-        loss_scale auto (dynamic for fp16, none otherwise)|none|dynamic|<number>."""
+        loss_scale auto (dynamic for fp16, none otherwise)|none|dynamic|<number>; a dynamic
+        scale starts at `initial_scale` and doubles after `growth_interval` clean steps."""
         if dtype not in DTYPES:
             raise ConfigError("train.dtype", f"{dtype!r} is not a dtype", "fp32, bf16 or fp16")
         if reduce_dtype != "auto" and reduce_dtype not in DTYPES:
@@ -69,7 +73,8 @@ class MixedPrecision:
             except ValueError:
                 raise ConfigError("train.loss_scale", f"{loss_scale!r} is not a scale",
                                   "auto, none, dynamic or a number") from None
-        return cls(DTYPES[dtype], None if reduce_dtype == "auto" else DTYPES[reduce_dtype], scale)
+        return cls(DTYPES[dtype], None if reduce_dtype == "auto" else DTYPES[reduce_dtype], scale,
+                   float(initial_scale), int(growth_interval))
 
 
 class LossScaler:
@@ -104,7 +109,10 @@ class LossScaler:
         return False
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+        return {"dynamic": self.dynamic, "scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.good_steps, self.skipped = state["scale"], state["good_steps"], state["skipped"]
+        """Continue a saved dynamic scale (a checkpoint's); a static or absent one is not carried
+        over: the configured scale stands."""
+        if self.dynamic and state.get("dynamic"):
+            self.scale, self.good_steps, self.skipped = state["scale"], state["good_steps"], state["skipped"]

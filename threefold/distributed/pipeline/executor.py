@@ -92,7 +92,9 @@ class PipelineExecutor:
         grads_from_next: dict[tuple[int, int], torch.Tensor] = {}
         grads_to_prev: dict[tuple[int, int], torch.Tensor] = {}
         pending_sends: list = []
-        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        # fp64: the reported loss is a sum over every token of the step, in an order that depends
+        # on the layout; in fp32 its last bit (~5e-7 of a per-token loss near 5) would differ.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         start = time.perf_counter()
         for step in self.steps:
             if isinstance(step, tuple):
