@@ -14,3 +14,22 @@ def cache_dir(tmp_path_factory) -> str:
     path = os.environ.get("THREEFOLD_TEST_CACHE") or str(tmp_path_factory.mktemp("threefold-cache"))
     os.environ["THREEFOLD_CACHE"] = path
     return path
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tolerances", action="store_true",
+                     help="list every checked value next to its bound, tightest margin first")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not config.getoption("--tolerances"):
+        return
+    from harness import OBSERVED
+
+    def margin(row):
+        return row[3] / row[2] if row[2] > 0 else float("inf")
+
+    terminalreporter.section("observed values vs bounds (margin = bound / value)")
+    for test, check, value, bound in sorted(OBSERVED, key=margin):
+        terminalreporter.write_line(f"{margin((test, check, value, bound)):9.1f}x  {value:10.3g} <= {bound:<9.3g} "
+                                    f"{check}  [{test}]")

@@ -30,12 +30,14 @@ def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
         queue.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
+def run_ranks(fn, world: int, *args, timeout: float = 120.0, may_exit: dict[int, int] | None = None) -> list:
     """fn(*args) in `world` processes; returns the per-rank results in rank order.
 
     fn must be importable (module level) and its result picklable. It is responsible for
     joining the process group (e.g. through threefold's runtime) or may use torch.distributed
-    init with env://."""
+    init with env://. `may_exit` {rank: exit code}: ranks that are meant to die (a failure
+    drill); their result is ("exited", code) and every other rank must still report."""
+    may_exit = may_exit or {}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -57,9 +59,13 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
             try:
                 rank, status, value = queue.get(timeout=min(remaining, 1.0))
             except queue_mod.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                for r, p in enumerate(procs):
+                    if r in may_exit and r not in results and p.exitcode == may_exit[r]:
+                        results[r] = ("exited", p.exitcode)
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in results]
                 if dead and queue.empty():
-                    raise RuntimeError(f"worker exited with code {dead[0].exitcode} without reporting")
+                    raise RuntimeError(f"worker {dead[0][0]} exited with code {dead[0][1]} without reporting")
                 continue
             if status == "ok":
                 results[rank] = value
@@ -102,6 +108,34 @@ def run_training(overrides: dict, log_dir, cache_dir: str, timeout: float = 240.
 def max_loss_delta(a: list[dict], b: list[dict]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
+
+
+# Loss parity of two layouts, fp32, at CALM_LR over up to 20 steps: the README's promise.
+# Observed on the 2-core development host (pytest --tolerances): at most 9.5e-7, two last bits
+# of an fp32 loss sum (tensor-parallel runs with one micro-batch per step); 2.4e-7 or less for
+# most layouts. The logged loss is summed over micro-batches and ranks in fp64, so what remains
+# is the last bit of each micro-batch's fp32 sum.
+PARITY = 1e-5
+# A learning rate at which the tiny model trains without its loss spike (at the default 3e-3
+# it spikes near step 20, where fp32 summation-order noise between layouts is amplified).
+CALM_LR = 5e-4
+
+OBSERVED: list[tuple[str, str, float, float]] = []  # (test, check, value, bound): pytest --tolerances
+
+
+def within(check: str, value: float, bound: float) -> float:
+    """assert value <= bound, keeping the pair for `pytest --tolerances` (observed vs bound)."""
+    import os
+
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    OBSERVED.append((test, check, float(value), float(bound)))
+    assert value <= bound, f"{check}: {value:.3g} > bound {bound:.3g}"
+    return value
+
+
+def assert_parity(check: str, a: list[dict], b: list[dict], bound: float = PARITY) -> float:
+    """Max per-step |loss a - loss b| within `bound` (same number of steps)."""
+    return within(check, max_loss_delta(a, b), bound)
 
 
 def resolved_config(overrides: dict, log_dir, cache_dir: str, world: int | None = None) -> dict:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import CALM_LR, PARITY, run_ranks, within
 from threefold.config import build_config
 from threefold.data import GlobalBatchSampler, load_tokens
 from threefold.distributed.data_parallel import DataParallel, MixedPrecision, measure_memory, predict_memory
@@ -30,7 +30,7 @@ from threefold.model.transformer import Transformer
 from threefold.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at
 
 SMALL = {"model.preset": "tiny", "model.layers": 2, "model.seq_len": 64, "train.global_batch": 8,
-         "train.micro_batch": 2, "train.warmup_steps": 5, "train.steps": 20}
+         "train.micro_batch": 2, "train.warmup_steps": 5, "train.steps": 20, "train.lr": CALM_LR}
 STEPS = 20
 CPU = torch.device("cpu")
 
@@ -90,12 +90,12 @@ def train_engine(cfg, grid: Grid, zero: int, steps: int = STEPS, precision=None,
     out = {"losses": [], "applied": [], "scales": []}
     for step in range(steps):
         batches = sampler.microbatches(tokens.tokens, step, grid.dp_rank, grid.dp.size, t.micro_batch)
-        total = torch.zeros(())
+        total = torch.zeros((), dtype=torch.float64)  # the loop's reported loss is summed in fp64 too
         for i, (x, y) in enumerate(batches):
             with engine.no_sync() if i < len(batches) - 1 and not sync_every else contextlib.nullcontext():
                 loss = model(x, y)
                 engine.backward(loss / per_step)
-            total += loss.detach().float()
+            total += loss.detach()
         engine.finish()
         if grid.tp.size > 1:  # sequence-parallel norms: partial gradients summed over tp
             from threefold.distributed.tensor_parallel import partial_grad_params
@@ -277,13 +277,15 @@ def test_dp1_engine_matches_reference_for_fp32_and_tracks_it_in_bf16_and_fp16(ca
     # ZeRO at dp 1 is allowed and a no-op: every stage runs as stage 0, the same code path.
     model = build_model(cfg, make_grid(), CPU)
     assert [DataParallel(model, make_grid(), zero=z).zero for z in range(4)] == [0, 0, 0, 0]
-    assert _max_delta(train_engine(cfg, make_grid(), 3)["losses"], reference) <= 1e-5
+    within("dp1 engine fp32 vs reference loss", _max_delta(train_engine(cfg, make_grid(), 3)["losses"], reference),
+           PARITY)
     # Low precision on CPU is slow: 10 steps.
     bf16 = train_engine(cfg, make_grid(), 0, steps=10, precision=MixedPrecision(torch.bfloat16, torch.float32))
     assert bf16["engine"].model.layers["0"].attn.wq.weight.dtype == torch.bfloat16
-    assert _max_delta(bf16["losses"], reference[:10]) <= 2e-2
+    within("dp1 engine bf16 vs fp32 loss", _max_delta(bf16["losses"], reference[:10]), 2e-2)
     fp16 = train_engine(cfg, make_grid(), 0, steps=10, precision=MixedPrecision.from_names("fp16"))
-    assert all(fp16["applied"]) and _max_delta(fp16["losses"], reference[:10]) <= 5e-3
+    assert all(fp16["applied"])
+    within("dp1 engine fp16 vs fp32 loss", _max_delta(fp16["losses"], reference[:10]), 2e-3)
 
 
 # --- multi-process ----------------------------------------------------------------------------
@@ -349,20 +351,22 @@ def test_parity_over_dp_and_zero_and_against_torch_ddp(cache_dir, reference):
             if isinstance(key, tuple):
                 deltas[key] = max(deltas.get(key, 0.0), _max_delta(losses, reference))
     assert sorted(deltas) == [(2, z) for z in range(4)] + [(4, z) for z in range(4)]
-    assert max(deltas.values()) <= 1e-5, deltas
+    for (dp, zero), delta in sorted(deltas.items()):
+        within(f"engine dp{dp} zero{zero} vs reference loss", delta, PARITY)
     for rank in (0, 2):  # ZeRO 2 and 3 reduce-scattering after every micro-batch
-        assert _max_delta(results[rank]["sync_every"], reference[:5]) <= 1e-5
+        within(f"engine zero{2 + rank // 2} sync every micro-batch loss",
+               _max_delta(results[rank]["sync_every"], reference[:5]), PARITY)
     # ZeRO 3 with full recomputation (rank 0), and over two pipeline chunks on one rank (rank 2).
-    for rank in (0, 2):
-        assert _max_delta(results[rank]["zero3_variant"], reference[:10]) <= 1e-5
+    for rank, what in ((0, "full recompute"), (2, "two chunks")):
+        within(f"engine zero3 {what} loss", _max_delta(results[rank]["zero3_variant"], reference[:10]), PARITY)
     # threefold dp 2 zero 0 vs torch DDP + torch AdamW after 10 steps. Without clipping the
     # gradients and the update arithmetic are the same, bit for bit. With clipping, the norms
     # differ in the last bits (different summation order; torch's clip_grad_norm_ is itself
     # ~3e-7 relative from the float64 norm) and Adam amplifies that where gradients are ~eps.
-    assert results[0]["ddp_delta_no_clip"] <= 1e-6
-    assert results[0]["ddp_delta_clip"] <= 2e-5
+    within("zero 0 vs DDP params, no clipping", results[0]["ddp_delta_no_clip"], 0)  # bit for bit
+    within("zero 0 vs DDP params, clipping", results[0]["ddp_delta_clip"], 1.2e-7)
     # Sharded optimizers end where the replicated one does, up to the same clip-norm rounding.
-    assert results[0]["zero_param_delta"] <= 1e-4
+    within("zero 1-3 vs zero 0 params", results[0]["zero_param_delta"], 2.5e-6)
     print(f"\nparity: max loss delta {max(deltas.values()):.2e}; vs DDP no clip "
           f"{results[0]['ddp_delta_no_clip']:.2e}, clip {results[0]['ddp_delta_clip']:.2e}; "
           f"zero 1-3 vs 0 params {results[0]['zero_param_delta']:.2e}")
@@ -429,9 +433,10 @@ def test_memory_matches_zero_formulas_and_mixed_precision(cache_dir, reference):
     assert len(memory) == 16
     assert all(r["pieces"] for r in results) and all(all(r["pieces"]) for r in results)
     for (n, name, zero), (measured, predicted, ratio) in sorted(memory.items()):
-        assert abs(ratio - 1) <= 0.05, (n, name, zero, measured, predicted)
+        # Byte for byte: the formula counts the padded buckets the engine allocates.
+        within(f"memory / ZeRO formula - 1, N{n} {name} zero {zero}", abs(ratio - 1), 0)
         for c in ("params", "grads", "optimizer"):
-            assert abs(measured[c] - predicted[c]) <= 0.05 * predicted[c] + 1024, (n, name, zero, c)
+            within(f"{c} bytes vs ZeRO formula, N{n} {name} zero {zero}", abs(measured[c] - predicted[c]), 0)
     # Sharding pays: ZeRO 3 at N = 4 holds about a quarter of ZeRO 0's model state.
     assert sum(memory[(4, "bf16", 3)][0].values()) < 0.27 * sum(memory[(4, "bf16", 0)][0].values())
     fp16 = results[0]["fp16"]
@@ -443,7 +448,7 @@ def test_memory_matches_zero_formulas_and_mixed_precision(cache_dir, reference):
     good = [i for i in range(1, len(fp16["applied"])) if fp16["applied"][i] and fp16["applied"][i - 1]]
     assert any(fp16["scales"][i + 1] == 2 * fp16["scales"][i] for i in good if i + 1 < len(fp16["scales"]))
     assert fp16["losses"][-1] < fp16["losses"][0]
-    assert _max_delta(results[2]["bf16_losses"], reference[:6]) <= 2e-2
+    within("engine bf16 zero3 fp32 reduce vs fp32 loss", _max_delta(results[2]["bf16_losses"], reference[:6]), 2e-2)
     print("\nmemory measured/predicted: " + ", ".join(f"N{n} {name} z{z} {r:.3f}"
                                                        for (n, name, z), (_, _, r) in sorted(memory.items())))
     print(f"fp16 applied {fp16['applied']} scales {fp16['scales']}")
@@ -597,4 +602,6 @@ def test_composes_with_tensor_and_sequence_parallelism(cache_dir, reference):
     summed over tp on the owned slices, the clip norm counting every element once."""
     pytest.importorskip("threefold.distributed.tensor_parallel")
     results = run_ranks(_tp_worker, 4, cache_dir, timeout=300)
-    assert max(_max_delta(r[z], reference) for r in results for z in (1, 3)) <= 1e-5
+    for z in (1, 3):
+        within(f"engine tp2 sp dp2 zero{z} vs reference loss", max(_max_delta(r[z], reference) for r in results),
+               PARITY)

@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
-from harness import run_training
+from harness import CALM_LR, PARITY, assert_parity, run_training, within
 from threefold.checkpoint import open_checkpoint
 from threefold.errors import ConfigError
 from threefold.train.faults import Fault, parse
 
-BASE = {"train.steps": 8, "train.seed": 0}
+BASE = {"train.steps": 8, "train.seed": 0, "train.lr": CALM_LR}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,8 @@ def straight(tmp_path_factory, cache_dir):
 
 def _cli(args, cache_dir, fault="", timeout=240):
     env = {**os.environ, "THREEFOLD_FAULT": fault}
-    cmd = [sys.executable, "-m", "threefold", "train", "--data.cache_dir", cache_dir, "--log.quiet", "true", *args]
+    cmd = [sys.executable, "-m", "threefold", "train", "--data.cache_dir", cache_dir, "--log.quiet", "true",
+           "--train.lr", str(CALM_LR), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -112,7 +113,8 @@ def test_killed_rank_restarts_and_resumes_exactly(straight, tmp_path, cache_dir)
     rows = _metrics(log)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8]
     final = {r["step"]: r["loss"] for r in rows}  # later lines (after the restart) win
-    assert max(abs(final[s] - straight[s - 1]["loss"]) for s in final) < 1e-5
+    within("restarted dp2 vs uninterrupted dp1 loss", max(abs(final[s] - straight[s - 1]["loss"]) for s in final),
+           PARITY)
     assert [r["loss"] for r in rows[2:5]] == [r["loss"] for r in rows[5:8]]  # recomputed bitwise
     good = json.loads((log / "goodput.json").read_text())
     assert len(good["failures"]) == 1 and good["failures"][0]["lost_steps"] == 3
@@ -228,7 +230,7 @@ def test_async_checkpoints_equal_sync_ones_and_resume_exactly(straight, tmp_path
     (runs["true"] / "latest").write_text("step_00000004\n")
     resumed = run_training({**BASE, "train.steps": 6, "checkpoint.resume": runs["true"]}, tmp_path / "resumed",
                            cache_dir)
-    assert max(abs(r["loss"] - s["loss"]) for r, s in zip(resumed, straight[4:])) < 1e-5
+    assert_parity("async dp2 checkpoint resumed by one process, loss", resumed, straight[4:6])
 
 
 def test_losing_a_node_continues_on_the_rest_with_a_smaller_dp(straight, tmp_path, cache_dir):
@@ -252,6 +254,7 @@ def test_losing_a_node_continues_on_the_rest_with_a_smaller_dp(straight, tmp_pat
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodes",
            "--rdzv-conf", "is_host=false,last_call_timeout=15", "--max-restarts", "2", "--monitor-interval", "0.5",
            "-m", "threefold", "train", "--parallel.dp", "0", "--train.steps", "8", "--train.timeout_s", "30",
+           "--train.lr", str(CALM_LR),
            "--checkpoint.dir", str(ckpt), "--checkpoint.interval", "2", "--log.dir", str(log),
            "--data.cache_dir", cache_dir, "--log.quiet", "true"]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -268,5 +271,6 @@ def test_losing_a_node_continues_on_the_rest_with_a_smaller_dp(straight, tmp_pat
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
     assert json.loads((log / "run.json").read_text())["layout"]["dp"] == 1
     final = {r["step"]: r["loss"] for r in rows}
-    assert max(abs(final[s] - straight[s - 1]["loss"]) for s in final) < 1e-5
+    within("dp2 -> dp1 after a lost node vs uninterrupted loss",
+           max(abs(final[s] - straight[s - 1]["loss"]) for s in final), PARITY)
     assert rows[5]["mttr_s"] > 0 and rows[5]["lost_steps"] == 1

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from harness import within
 from threefold.distributed.pipeline.schedules import build_schedule
 from threefold.train.memory_probe import peak_inflight_heads, peak_inflight_layers
 
@@ -37,10 +38,13 @@ def test_memory_command_measures_every_rank_against_the_formulas(cache_dir):
     assert {(r["pp"], r["dp"]) for r in rows} == {(0, 0), (0, 1), (1, 0), (1, 1)}
     for r in rows:
         meas, pred = r["measured"], r["predicted"]
-        for c in ("params", "grads", "optimizer"):
-            assert meas[c] == pytest.approx(pred[c], rel=0.05), (r["rank"], c)
-        assert meas["optimizer"] == pytest.approx(meas["params"], rel=0.05)  # fp32: 8P / N=2 = 4P = params
-        assert meas["activations"] == pytest.approx(pred["activations"], rel=0.10), r["rank"]
+        for c in ("params", "grads", "optimizer"):  # ZeRO's formulas, byte for byte
+            within(f"rank {r['rank']} {c} measured / predicted - 1", abs(meas[c] / pred[c] - 1), 0)
+        # The activation formula: 0.1% off on the first stage, 2.5% on the last (deterministic counts).
+        within(f"rank {r['rank']} activations measured / predicted - 1",
+               abs(meas["activations"] / pred["activations"] - 1), 0.03)
+        # fp32: 8P / N=2 = 4P = params
+        within(f"rank {r['rank']} optimizer / params - 1", abs(meas["optimizer"] / meas["params"] - 1), 0)
     first, last = rows[0]["measured"]["activations"], rows[2]["measured"]["activations"]
     assert first > last  # 1F1B: the first stage holds p micro-batches, the last one
 

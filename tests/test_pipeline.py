@@ -5,14 +5,12 @@ import time
 import pytest
 import torch
 
-from harness import max_loss_delta, run_ranks, run_training, run_training_many
+from harness import CALM_LR, assert_parity, run_ranks, run_training, run_training_many
 from threefold.errors import ConfigError
 
 STEPS = 20
-BASE = {"train.steps": STEPS, "train.seed": 0, "model.layers": 4}
-# At the default lr this model spikes near step 18, which amplifies last-bit differences of
-# any two layouts (summation order) into visible ones; a calmer lr keeps parity meaningful.
-GPT2 = {"model.arch": "gpt2", "model.kv_heads": 4, "model.tie_embeddings": "true", "train.lr": 1e-3}
+BASE = {"train.steps": STEPS, "train.seed": 0, "model.layers": 4, "train.lr": CALM_LR}
+GPT2 = {"model.arch": "gpt2", "model.kv_heads": 4, "model.tie_embeddings": "true"}
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +53,13 @@ def four_rank_runs(tmp_path_factory, cache_dir) -> dict:
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb", "interleaved", "gpt2-tied"])
 def test_two_stages_match_one(name, two_stage_runs, references):
     ref = references["gpt2" if name.startswith("gpt2") else "llama"]
-    delta = max_loss_delta(ref, two_stage_runs[name])
-    assert delta < 1e-5, f"{name}: max |loss diff| {delta:.2e}"
+    assert_parity(f"pp2 {name} vs pp1 loss", ref, two_stage_runs[name])
 
 
 @pytest.mark.parametrize("name", ["pp4-1f1b", "pp4-zb", "pp2-tp2-sp", "pp2-dp2-interleaved", "pp2-dp2-zero1-zb",
                                   "pp2-dp2-zero2-zb", "pp2-dp2-zero3-zb"])
 def test_four_ranks_match_one(name, four_rank_runs, references):
-    delta = max_loss_delta(references["llama"], four_rank_runs[name])
-    assert delta < 1e-5, f"{name}: max |loss diff| {delta:.2e}"
+    assert_parity(f"{name} vs one process loss", references["llama"], four_rank_runs[name])
 
 
 def test_pipeline_metrics_report_idle_time(two_stage_runs):
@@ -133,11 +129,14 @@ def _die_or_wait(timeout_s: float):
 
 
 def test_dead_neighbour_fails_the_stage_within_the_timeout():
-    with pytest.raises(Exception) as info:
-        run_ranks(_die_or_wait, 2, 10.0, timeout=90)
-    # Rank 0 must report a failure (not be killed by the harness's timeout).
-    assert "timed out" not in str(info.value)
-    assert "exited with code 17" in str(info.value) or "rank 0" in str(info.value)
+    """Stage 1 dies between steps; stage 0, waiting for its activations' gradients, must fail
+    by itself (a closed connection or the collective timeout), not hang until killed."""
+    timeout_s = 10.0
+    survivor, dead = run_ranks(_die_or_wait, 2, timeout_s, timeout=90, may_exit={1: 17})
+    assert dead == ("exited", 17)
+    outcome, waited, error = survivor
+    assert outcome == "failed", survivor
+    assert waited < timeout_s + 5.0, survivor  # the timeout plus teardown, never the harness's 90 s
 
 
 @pytest.mark.parametrize("pairs, key", [

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import max_loss_delta, run_training, run_training_many
+from harness import CALM_LR, assert_parity, run_training, run_training_many
 from threefold.train.optim import clip_gradients, global_grad_norm, lr_at
 
 STEPS = 20
+BASE = {"train.steps": STEPS, "train.seed": 0, "train.lr": CALM_LR}
 
 
 def test_lr_warmup_then_cosine_to_floor():
@@ -45,7 +46,7 @@ def test_tied_weight_counts_once_in_the_norm():
 
 @pytest.fixture(scope="module")
 def dp1_run(tmp_path_factory, cache_dir):
-    return run_training({"train.steps": STEPS, "train.seed": 0}, tmp_path_factory.mktemp("dp1"), cache_dir)
+    return run_training(BASE, tmp_path_factory.mktemp("dp1"), cache_dir)
 
 
 def test_single_process_loss_falls_and_metrics_are_complete(dp1_run):
@@ -60,14 +61,13 @@ def test_single_process_loss_falls_and_metrics_are_complete(dp1_run):
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_data_parallel_matches_single_process(dp, dp1_run, tmp_path, cache_dir):
-    run = run_training({"train.steps": STEPS, "train.seed": 0, "parallel.dp": dp}, tmp_path, cache_dir)
-    delta = max_loss_delta(dp1_run, run)
-    assert delta < 1e-5, f"dp={dp}: max |loss diff| {delta:.2e}"
+    run = run_training({**BASE, "parallel.dp": dp}, tmp_path, cache_dir)
+    assert_parity(f"dp{dp} vs dp1 loss", dp1_run, run)
 
 
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory, cache_dir):
-    runs = {f"zero{z}": {"train.steps": STEPS, "train.seed": 0, "parallel.dp": 2, "parallel.zero": z}
+    runs = {f"zero{z}": {**BASE, "parallel.dp": 2, "parallel.zero": z}
             for z in (1, 2, 3)}
     runs["zero1-bucketed"] = {**runs["zero1"], "parallel.bucket_mb": 0.25}
     return run_training_many(runs, tmp_path_factory.mktemp("zero"), cache_dir, world=2)
@@ -75,8 +75,7 @@ def zero_runs(tmp_path_factory, cache_dir):
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero1-bucketed"])
 def test_zero_stages_in_the_loop_match_single_process(name, zero_runs, dp1_run):
-    delta = max_loss_delta(dp1_run, zero_runs[name])
-    assert delta < 1e-5, f"{name}: max |loss diff| {delta:.2e}"
+    assert_parity(f"dp2 {name} vs dp1 loss", dp1_run, zero_runs[name])
     assert zero_runs[name][-1]["dp_exposed_s"] >= 0 and not zero_runs[name][-1]["step_skipped"]
 
 
