@@ -35,6 +35,7 @@ from threefold.planner.cluster import Cluster, check_cluster
 from threefold.planner.cost import from_unit, merge_terms, step_terms, unit
 from threefold.planner.layout import Layout
 from threefold.planner.model import model_shape
+from threefold.planner.validation import bands_from_rows
 
 # Measured part of a step -> (span categories of spans.jsonl it sums, predicted categories it is).
 SPANS = {
@@ -194,9 +195,14 @@ class Calibration:
                 for name in PRIORITY + (EXPONENT,)
                 if name in self.free or getattr(self.prior, name) != getattr(self.cluster, name)}
 
+    def bands(self) -> dict:
+        """Per category, predicted / measured - 1 over every run, fitted or held out (validation.Band)."""
+        return bands_from_rows(self.rows)
+
     def as_dict(self) -> dict:
         return {
             "fitted": {k: {"prior": a, "fitted": b} for k, (a, b) in self.changes().items()},
+            "error_bands": {k: b._asdict() for k, b in self.bands().items()},
             "rows": [{"run": r.run.path, "layout": r.run.layout.spec(), "category": r.category,
                       "measured_s": r.measured, "prior_s": r.prior, "predicted_s": r.fitted,
                       "error": r.fitted / r.measured - 1, "held_out": r.held_out, "predicted_split_s": r.split}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from threefold.config import knob, read_toml_file
@@ -50,6 +50,9 @@ class Cluster:
     host_cores: int = knob(0, "cpu: cores the node's processes share; fewer than processes slows each (0 = no sharing)")
     core_share_exponent: float = knob(0.0, "cpu: with more processes than cores each runs at (cores / processes) "
                                            "** this of a core; above 1: switches and cache contention (0 = profile)")
+    validation: dict = field(default_factory=dict, repr=False, compare=False, metadata={
+        "doc": "Error band of each predicted category, from a calibrated profile's [validation] table",
+        "table": True})
 
     @property
     def world(self) -> int:
@@ -110,7 +113,8 @@ _FROM_PROFILE_IF = {"devices_per_node": 0, "peak_tflops": 0.0, "memory_gib": 0.0
                     "layer_overhead_us": -1.0,
                     "step_overhead_s": -1.0, "dp_overlap": -1.0, "tp_overlap": -1.0, "core_share_exponent": 0.0}
 
-FIELDS = {f.name: f for f in dataclasses.fields(Cluster)}
+# The keys of a [cluster] table and of --cluster.KEY (validation is a table of its own).
+FIELDS = {f.name: f for f in dataclasses.fields(Cluster) if not f.metadata.get("table")}
 _TYPES = typing.get_type_hints(Cluster)
 
 
@@ -159,6 +163,14 @@ def read_profile(path: str) -> dict[str, Any]:
     return table
 
 
+def read_validation(path: str) -> dict:
+    """The error bands a calibrated profile carries ({} when it has none)."""
+    from threefold.planner.validation import read_table
+
+    table = read_toml_file(path, "cluster.profile").get("validation")
+    return read_table(table, path) if table is not None else {}
+
+
 def device_name(raw: str) -> str:
     name = ALIASES.get(raw.lower(), raw.lower())
     if name not in PROFILES:
@@ -177,6 +189,8 @@ def build_cluster(overrides: dict[str, Any] | list[tuple[str, Any]] = (), cache_
     values: dict[str, Any] = {k: _coerce(k, v) for k, v in from_file.items()}
     values.update(given)
     cluster = Cluster(**values)
+    if given.get("profile"):
+        cluster.validation = read_validation(given["profile"])
     cluster.device = device_name(cluster.device)
     _fill_from_profile(cluster, cache_dir)
     check_cluster(cluster)
@@ -250,19 +264,21 @@ def check_cluster(c: Cluster) -> None:
 
 def describe() -> str:
     lines = ["[cluster]"]
-    for f in dataclasses.fields(Cluster):
+    for f in FIELDS.values():
         lines.append(f"  cluster.{f.name} = {f.default!r}  # {f.metadata.get('doc', '')}")
     lines.append("profiles: " + ", ".join(PROFILES))
     return "\n".join(lines)
 
 
-def profile_toml(c: Cluster, comment: str = "") -> str:
-    """A [cluster] table that rebuilds `c` (for --save-profile after calibration)."""
+def profile_toml(c: Cluster, comment: str = "", bands: dict | None = None) -> str:
+    """A [cluster] table that rebuilds `c` (for --save-profile after calibration), and the
+    calibration's error bands per category as a [validation] table."""
     from threefold.planner.emit import toml_value
+    from threefold.planner.validation import toml_lines
 
     lines = [f"# {line}" for line in comment.splitlines()] + ["[cluster]"]
-    for f in dataclasses.fields(Cluster):
-        if f.name == "profile":
+    for name in FIELDS:
+        if name == "profile":
             continue
-        lines.append(f"{f.name} = {toml_value(getattr(c, f.name))}")
-    return "\n".join(lines) + "\n"
+        lines.append(f"{name} = {toml_value(getattr(c, name))}")
+    return "\n".join(lines + toml_lines(bands or {})) + "\n"

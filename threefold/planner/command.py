@@ -100,6 +100,7 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
     from threefold.planner.layout import parse_layout, structural_reason
     from threefold.planner.model import model_shape
     from threefold.planner.search import Plan, oom_sentence, search
+    from threefold.planner.validation import split_note
     from threefold.validate import validate_model
 
     cfg = build_config(args.config, config_pairs)
@@ -161,6 +162,7 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
     elif args.layout:
         print(report.header(shape, cluster, B, dtype))
         print(report.describe_prediction(pred, cluster))
+        print("  " + split_note(cluster.validation, [k for k, v in pred.times.items() if v > 0]))
         print("  faults: " + advice.sentence())
         if note:
             print("  does not fit: " + note)
@@ -203,7 +205,7 @@ def _calibrate(args, base, explicit: set[str]) -> int:
     cal = fit(runs, base, free, held, explicit)
     if args.save_profile:
         note = "fitted by threefold plan --calibrate " + " ".join(args.calibrate)
-        Path(args.save_profile).write_text(profile_toml(cal.cluster, note), encoding="utf-8")
+        Path(args.save_profile).write_text(profile_toml(cal.cluster, note, cal.bands()), encoding="utf-8")
     if args.json:
         print(json.dumps(cal.as_dict(), indent=1))
     else:

@@ -7,6 +7,7 @@ from threefold.planner.cost import Prediction
 from threefold.planner.faults import FaultAdvice
 from threefold.planner.model import ModelShape
 from threefold.planner.search import KIND_TITLES, Plan
+from threefold.planner.validation import TOLERANCE, annotation, split_note
 
 _SHORT = {"compute": "compute", "recompute": "recompute", "tp_comm": "TP comm", "ep_comm": "EP all-to-all",
           "pp_comm": "PP comm",
@@ -58,9 +59,12 @@ def header(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str) -
             f"global batch {global_batch} ({_num(global_batch * shape.seq_len)} tokens)")
 
 
-def split_text(pred: Prediction) -> str:
+def split_text(pred: Prediction, bands: dict | None = None) -> str:
+    """Shares of the step per category; with a calibrated profile's `bands`, each share whose
+    category calibration found off by more than 25% carries that error band."""
     parts = sorted(((v, k) for k, v in pred.times.items() if v > 0), reverse=True)
-    return ", ".join(f"{_SHORT[k]} {v / pred.step_time_s:.0%}" for v, k in parts if v / pred.step_time_s >= 0.005)
+    return ", ".join(f"{_SHORT[k]} {v / pred.step_time_s:.0%}{annotation(k, bands or {})}"
+                     for v, k in parts if v / pred.step_time_s >= 0.005)
 
 
 def table(preds: list[Prediction], moe: bool = False) -> str:
@@ -98,7 +102,7 @@ def describe_prediction(p: Prediction, cluster: Cluster) -> str:
              + (f"; the experts' share of the model state {m.expert_state / GiB:.2f}" if m.expert_state else ""),
              f"  step {p.step_time_s:.4g} s, {_num(p.tokens_per_s)} tokens/s, {p.model_tflops_per_device:.4g} model "
              f"TFLOP/s per device, MFU {p.mfu:.1%} (HFU {p.hfu:.1%}), bubble {p.bubble_fraction:.1%} of the step",
-             f"  time: {split_text(p)}"]
+             f"  time: {split_text(p, cluster.validation)}"]
     if p.devices_used < cluster.world:
         lines.append(f"  uses {p.devices_used} of the cluster's {cluster.world} devices")
     return "\n".join(lines)
@@ -117,9 +121,11 @@ def rejections(plan: Plan, examples: int = 2) -> str:
 
 def plan_text(plan: Plan, top: int, advice: FaultAdvice | None) -> str:
     shown = plan.ranked[:top]
+    used = {k for p in shown for k, v in p.times.items() if v > 0}
     out = [header(plan.shape, plan.cluster, plan.global_batch, plan.dtype),
            f"searched {plan.considered} layouts in {plan.search_s:.2f} s; the {len(shown)} fastest that fit:", "",
-           table(shown, plan.shape.is_moe), "", "best " + describe_prediction(plan.best, plan.cluster)]
+           table(shown, plan.shape.is_moe), split_note(plan.cluster.validation, used), "",
+           "best " + describe_prediction(plan.best, plan.cluster)]
     if advice:
         out.append("  faults: " + advice.sentence())
     out += ["", rejections(plan)]
@@ -150,6 +156,7 @@ def _model_dict(shape: ModelShape) -> dict:
 
 def cluster_dict(cluster: Cluster) -> dict:
     out = dict(cluster.__dict__)
+    out["validation"] = {k: b._asdict() for k, b in cluster.validation.items()}
     out.update(world=cluster.world, peak_flops_per_device=cluster.peak_flops, usable_bytes=cluster.usable_bytes)
     return out
 
@@ -182,4 +189,15 @@ def calibration_text(cal) -> str:
     if steps:
         worst = max(abs(r.fitted / r.measured - 1) for r in steps)
         lines.append(f"worst step-time error {worst:.1%} over {len(steps)} runs")
+    lines += ["", band_text(cal.bands())]
     return "\n".join(lines)
+
+
+def band_text(bands: dict) -> str:
+    """Per category, the error band over the runs and whether plans may print it bare."""
+    if not bands:
+        return "no category was measured: the runs had no spans (train with --log.spans true)"
+    rows = [(name, str(b.runs), b.text(), "within" if b.within else "outside: plans print this band with it")
+            for name, b in bands.items()]
+    cols = ("category", "runs", "predicted / measured - 1", f"vs +-{TOLERANCE:.0%}")
+    return _columns(cols, rows, lambda i: i in (0, 3))
