@@ -5,8 +5,10 @@ saves, and MTTR (failure to the end of the first step after it).
 
 Save: a one-process training run saves every `interval` steps, synchronously and then
 asynchronously; `ckpt_block_s` in its metrics is what the loop was blocked (sync: the whole
-write, fsync, checksum and publish; async: the copy to host memory). Save MB/s = checkpoint
-bytes / sync blocking time. Load MB/s = bytes / (verify checksums + read every shard into
+write, fsync, checksum and publish; async: the copy to host memory). Async / sync is the
+median over saves of the k-th async save's blocking / the k-th sync save's (the same step,
+the same state), with its 95% bootstrap interval. Save MB/s = checkpoint bytes / sync
+blocking time (median). Load MB/s = bytes / (verify checksums + read every shard into
 tensors of the saved layout), the path `checkpoint.resume auto` takes.
 MTTR: two ranks under the elastic agent (train.max_restarts 1), rank 1 killed at step
 `steps/2`; goodput.json gives the time from the kill to the end of the first resumed step
@@ -24,10 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
+from stats import Interval, paired_ratio, show  # noqa: E402
 from threefold.checkpoint import LocalTensor, find_resumable, load_into  # noqa: E402
 from threefold.config import build_config  # noqa: E402
 from threefold.train.worker import run_worker  # noqa: E402
@@ -49,8 +53,8 @@ def save_costs(preset: str, steps: int, interval: int, tmp: Path) -> dict:
         ckpt, log = tmp / f"{preset}-{mode}-ckpt", tmp / f"{preset}-{mode}-log"
         run_worker(_cfg(preset, steps, interval, ckpt, log, mode == "async").to_dict())
         rows = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
-        blocks = [r["ckpt_block_s"] for r in rows if r["step"] % interval == 0 or r["step"] == steps]
-        out[f"{mode}_block_s"] = statistics.median(blocks)
+        out[f"{mode}_saves_s"] = [r["ckpt_block_s"] for r in rows if r["step"] % interval == 0 or r["step"] == steps]
+        out[f"{mode}_block_s"] = statistics.median(out[f"{mode}_saves_s"])
         out[f"{mode}_step_s"] = statistics.median(r["step_time_s"] for r in rows[1:])
         out["ckpt_dir"] = ckpt
     directory, manifest = find_resumable(out.pop("ckpt_dir"))
@@ -63,8 +67,13 @@ def save_costs(preset: str, steps: int, interval: int, tmp: Path) -> dict:
     load_into(targets, directory, manifest)
     load_s = time.perf_counter() - t0
     out.update(checkpoint_mb=size / MB, save_mb_per_s=size / MB / out["sync_block_s"],
-               load_mb_per_s=size / MB / load_s, async_over_sync=out["async_block_s"] / out["sync_block_s"])
+               load_mb_per_s=size / MB / load_s)
     return out
+
+
+def async_over_sync(r: dict) -> Interval:
+    """Blocking time of the k-th async save / the k-th sync save, median over k, bootstrapped."""
+    return paired_ratio(r["async_saves_s"], r["sync_saves_s"], unit="save")
 
 
 def mttr(preset: str, steps: int, interval: int, tmp: Path) -> float:
@@ -93,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.presets, args.steps, args.interval = "tiny", 6, 2
     results = {}
     print("| preset | checkpoint MB | save MB/s | load MB/s | sync save blocks (ms) | async save blocks (ms) | "
-          "async / sync | MTTR (s) |")
+          "async / sync [95% interval] | MTTR (s) |")
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets.split(","):
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
             results[preset] = r
             mttr_text = "-" if r["mttr_s"] is None else f"{r['mttr_s']:.1f}"
             print(f"| {preset} | {r['checkpoint_mb']:.1f} | {r['save_mb_per_s']:.0f} | {r['load_mb_per_s']:.0f} | "
-                  f"{r['sync_block_s'] * 1e3:.1f} | {r['async_block_s'] * 1e3:.1f} | {r['async_over_sync']:.2f} | "
+                  f"{r['sync_block_s'] * 1e3:.1f} | {r['async_block_s'] * 1e3:.1f} | {show(async_over_sync(r))} | "
                   f"{mttr_text} |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

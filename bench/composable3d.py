@@ -26,16 +26,15 @@ def _tp_plan(chunk, tp_mesh):
 
 def torch_contestant(cfg, schedule: str, mesh, n_local_tokens: int):
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed import pipelining
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
+    from torch_peers import MeshOptimizer
 
     from threefold.distributed.pipeline.partition import stage_layer_ids
     from threefold.model.meta import plain_model
-    from threefold.train.optim import param_groups
 
     t, p = cfg.train, cfg.parallel.pp
     r = mesh["pp"].get_local_rank()
@@ -43,6 +42,9 @@ def torch_contestant(cfg, schedule: str, mesh, n_local_tokens: int):
     # the same layout-invariant values threefold's chunks hold
     chunk = plain_model(cfg.model, t.seed, "cpu", stage_layer_ids(cfg.model, p, 1, cfg.parallel.stage_layers)[r],
                         first, last)
+    # The 2-D (dp, tp) gradient norms reduce over a flattened dp x tp group: one all-reduce, not
+    # one per mesh dimension (DTensor's own advice; torchtitan flattens its meshes likewise).
+    mesh["dp", "tp"]._flatten()
     _tp_plan(chunk, mesh["tp"])
     for block in chunk.layers.values():
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
@@ -54,25 +56,10 @@ def torch_contestant(cfg, schedule: str, mesh, n_local_tokens: int):
 
     sched = getattr(pipelining, SCHEDULES[schedule])(stage, n_microbatches=cfg.parallel.microbatches,
                                                      loss_fn=loss_fn, scale_grads=False)
-    opt = torch.optim.AdamW(param_groups(chunk, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
-                            foreach=False)
+    # Per-mesh norms summed over pp: torchtitan's clip_grad_norm_ for pipelined FSDP2 + TP.
+    opt = MeshOptimizer(chunk, t, norm_groups=(mesh["pp"].get_group(),))
     params = list(chunk.parameters())
-    pp_group = mesh["pp"].get_group()
-    memory = {}
-
-    def grad_norm() -> torch.Tensor:
-        """sqrt(sum over pp of per-mesh DTensor norms squared): torchtitan's clip_grad_norm_."""
-        by_mesh: dict = {}
-        for q in params:
-            if q.grad is not None:
-                by_mesh.setdefault(q.grad.device_mesh if isinstance(q.grad, DTensor) else None, []).append(q.grad)
-        sq = torch.zeros((), dtype=torch.float32)
-        for grads in by_mesh.values():
-            norm = torch.nn.utils.get_total_norm(grads, foreach=False)
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-            sq = sq + norm.float() ** 2
-        dist.all_reduce(sq, group=pp_group)
-        return sq.sqrt()
+    memory = {"optimizer": opt.describe()}
 
     def step(micro, n_tokens):
         x = torch.cat([m[0] for m in micro])
@@ -85,16 +72,12 @@ def torch_contestant(cfg, schedule: str, mesh, n_local_tokens: int):
                 sched.step(target=y, losses=losses)
             else:
                 sched.step()
-        norm = grad_norm()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, norm, foreach=False)
+        opt.clip(t.grad_clip, opt.grad_norm())
         opt.step()
-        if not memory:
+        if "measured" not in memory:
             local = [q.to_local() for q in params] + [q.grad.to_local() for q in params if q.grad is not None]
-            local += [v.to_local() if isinstance(v, DTensor) else v
-                      for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-            memory["measured"] = sum(v.numel() * v.element_size() for v in local)
-        opt.zero_grad(set_to_none=True)
+            memory["measured"] = sum(v.numel() * v.element_size() for v in local + opt.state_tensors())
+        opt.zero_grad()
         if not last:
             return None
         total = sum(v.full_tensor() if isinstance(v, DTensor) else v for v in losses)

@@ -1,11 +1,9 @@
-"""Shared pieces of the data-parallel benchmarks: spawn gloo ranks, build the model and a
-batch, time contestants interleaved (A, B, A, B, ...) and summarise as median and spread."""
+"""Shared pieces of the data-parallel benchmarks: spawn gloo ranks, build the model and its
+batches, count the bytes of model state."""
 from __future__ import annotations
 
 import os
 import socket
-import statistics
-import time
 import traceback
 
 import torch
@@ -65,33 +63,6 @@ def batches(cfg, dp_rank: int, dp: int, steps: int) -> list:
     tokens = load_tokens(cfg.data.path, cfg.data.vocab, cfg.data.dtype, cfg.data.cache_dir)
     sampler = GlobalBatchSampler(len(tokens.tokens), cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed)
     return [sampler.microbatches(tokens.tokens, s, dp_rank, dp, cfg.train.micro_batch) for s in range(steps)]
-
-
-def interleave(contestants: dict, data: list, warmup: int, rounds: int, steps_per_round: int,
-               barrier) -> dict[str, list[float]]:
-    """Time each contestant's step function in turns: round r runs A for k steps, then B ...
-    so slow drifts of a shared machine hit every contestant alike. Returns seconds per step."""
-    times = {name: [] for name in contestants}
-    step = 0
-    for name, fn in contestants.items():
-        for _ in range(warmup):
-            fn(data[step % len(data)], step)
-            step += 1
-    for _ in range(rounds):
-        for name, fn in contestants.items():
-            barrier()
-            for _ in range(steps_per_round):
-                t0 = time.perf_counter()
-                fn(data[step % len(data)], step)
-                times[name].append(time.perf_counter() - t0)
-                step += 1
-    return times
-
-
-def summary(samples: list[float]) -> tuple[float, float, float]:
-    """Median, and the 25th/75th percentiles (the spread reported next to it)."""
-    q = statistics.quantiles(samples, n=4)
-    return statistics.median(samples), q[0], q[2]
 
 
 def storage_bytes(tensors) -> int:

@@ -1,6 +1,6 @@
 """threefold data parallelism vs PyTorch's own, side by side on CPU/gloo (2 ranks by default).
 
-    python bench/dp_vs_ddp.py [--ranks 2] [--rounds 6] [--steps 4] [--layers 4] [--bucket-mb 1] [--quick]
+    python bench/dp_vs_ddp.py [--ranks 2] [--rounds 12] [--steps 2] [--layers 4] [--bucket-mb 1] [--quick]
 
 Matchups (the same model, init, data, AdamW hyper-parameters and clipping at 1.0):
   threefold zero 0  vs  torch DistributedDataParallel + AdamW          (goal: time ratio <= 1.0)
@@ -8,10 +8,13 @@ Matchups (the same model, init, data, AdamW hyper-parameters and clipping at 1.0
   threefold zero 3  vs  FSDP2 fully_shard per block + root, init_device_mesh("cpu")
                                                            (goal: <= 0.8x time, <= 1.0x memory)
   threefold zero 0, reductions overlapped vs launched after backward (what overlap buys)
-Contestants of a matchup run in turns (A for k steps, B for k steps, ... `rounds` times);
-the table shows the median step time with the 25th-75th percentile spread. Memory is the
-per-rank model state (parameters + gradients + optimizer state, distinct storages) after a
-step. The overlap table shows the exposed gradient communication (after the slowest rank's
+Every torch peer runs as a careful user would set it up: DDP with gradient_as_bucket_view and
+the same bucket size as threefold, AdamW(foreach=True) (through ZeroRedundancyOptimizer's
+defaults too), clip_grad_norm_(foreach=True). Contestants of a matchup run in rounds (A for k
+steps, then B for k steps); the table shows the median step time with the 25th-75th
+percentile spread, and the median per-round ratio with its 95% bootstrap interval. Memory is
+the per-rank model state (parameters + gradients + optimizer state, distinct storages) after
+a step. The overlap table shows the exposed gradient communication (after the slowest rank's
 backward ended) against the blocking cost of the same collectives.
 """
 from __future__ import annotations
@@ -28,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dp_common import batches, interleave, make_cfg, spawn, storage_bytes, summary  # noqa: E402
+from dp_common import batches, make_cfg, spawn, storage_bytes  # noqa: E402
+from stats import bootstrap_median, show  # noqa: E402
+from timing import alternate, cell, feeder, ratio, steps_of  # noqa: E402
 
 
 def _grid():
@@ -48,7 +53,7 @@ def _threefold(cfg, grid, zero: int, bucket_mb: float, overlap: bool = True, mem
     per_step = t.global_batch * cfg.model.seq_len
     stamps = []  # (end of backward, reductions done) per step; compared across ranks afterwards
 
-    def step(micro, i):
+    def step(micro):
         for x, y in micro:
             # overlap=False: every backward under no_sync, so finish() launches all buckets.
             with contextlib.nullcontext() if overlap else engine.no_sync():
@@ -56,34 +61,36 @@ def _threefold(cfg, grid, zero: int, bucket_mb: float, overlap: bool = True, mem
         engine.finish()
         stamps.append((engine.grads.t_backward_end, engine.grads.t_done))
         engine.step(t.lr, engine.grad_norm(), t.grad_clip)
-        if memory is not None:  # after the step, before zero_grad: where FSDP2 is measured too
+        # Once, after the first step (state sizes are fixed from then on), before zero_grad:
+        # where FSDP2 is measured too. With warm-up, neither side pays for it in its timed steps.
+        if memory is not None and "bytes" not in memory:
             memory["bytes"] = measure_memory(engine).measured_total
         engine.zero_grad()
     return step, engine, stamps
 
 
-def _exposed(stamps: list, skip: int, group) -> float:
-    """Median over steps of (this rank's reductions done - the slowest rank's end of
-    backward): perf_counter is one clock for the processes of one host."""
+def _exposed(stamps: list, skip: int, group) -> list[float]:
+    """Per step after `skip`: this rank's reductions done - the slowest rank's end of backward
+    (perf_counter is one clock for the processes of one host)."""
     ends = torch.tensor([s[0] for s in stamps], dtype=torch.float64)
     every = torch.zeros(dist.get_world_size(group) * len(stamps), dtype=torch.float64)
     dist.all_gather_single(every, ends, group=group)
     latest = every.view(-1, len(stamps)).max(dim=0).values
-    return statistics.median(max(0.0, done - float(latest[i])) for i, (_, done) in enumerate(stamps) if i >= skip)
+    return [max(0.0, done - float(latest[i])) for i, (_, done) in enumerate(stamps) if i >= skip]
 
 
-def _torch_step(cfg, model, wrapped, optimizer, dp: int, after_step=None):
+def _torch_step(cfg, model, wrapped, optimizer, dp: int, after_step=None, set_to_none: bool = True):
     t = cfg.train
     local_tokens = t.global_batch * cfg.model.seq_len / dp  # DDP and FSDP average over ranks
 
-    def step(micro, i):
+    def step(micro):
         for x, y in micro:
             (wrapped(x, y) / local_tokens).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip, foreach=True)
         optimizer.step()
         if after_step is not None:
             after_step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=set_to_none)
     return step
 
 
@@ -96,17 +103,20 @@ def _ddp(cfg, grid, bucket_mb: float, zero_redundancy: bool):
 
     t = cfg.train
     model = build_model(cfg, grid, torch.device("cpu"))
-    ddp = DDP(model, process_group=grid.dp.pg, bucket_cap_mb=bucket_mb)
+    # bucket_cap_mb is MiB, as threefold's bucket_mb. Gradients stay views into the buckets only
+    # if zero_grad keeps them (set_to_none=False): set to None, the views are rebuilt every step.
+    ddp = DDP(model, process_group=grid.dp.pg, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
     if zero_redundancy:
         groups = param_groups(model, t.weight_decay)
         optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
                                             process_group=grid.dp.pg, parameters_as_bucket_view=True, lr=t.lr,
-                                            betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay)
+                                            betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay,
+                                            foreach=True)
         optimizer.add_param_group(groups[1])
     else:
         optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                       eps=1e-8, foreach=True)
-    return _torch_step(cfg, model, ddp, optimizer, grid.dp.size)
+    return _torch_step(cfg, model, ddp, optimizer, grid.dp.size, set_to_none=False)
 
 
 def _fsdp2(cfg, grid):
@@ -126,7 +136,9 @@ def _fsdp2(cfg, grid):
                                   eps=1e-8, foreach=True)
     memory = {}
 
-    def measure() -> None:  # local shards of parameters, gradients, optimizer state, after the step
+    def measure() -> None:  # local shards of parameters, gradients, optimizer state, after the first step
+        if "bytes" in memory:
+            return
         local = [p.to_local() for p in model.parameters()]
         local += [p.grad.to_local() for p in model.parameters() if p.grad is not None]
         local += [v.to_local() if hasattr(v, "to_local") else v
@@ -139,32 +151,34 @@ def _worker(args) -> dict:
     dist.init_process_group("gloo")
     grid = _grid()
     cfg = make_cfg(**{"model.layers": args.layers})
-    total = args.warmup * 2 + args.rounds * args.steps * 2
-    data = batches(cfg, grid.dp_rank, grid.dp.size, total)
+    data = batches(cfg, grid.dp_rank, grid.dp.size, args.warmup + args.rounds * args.steps)
     barrier = lambda: dist.barrier(group=grid.dp.pg)  # noqa: E731
+
+    def matchup(ours, theirs) -> dict:  # every contestant walks the same batches
+        return alternate({"threefold": feeder(ours, data), "torch": feeder(theirs, data)}, args.rounds, args.steps,
+                         barrier, args.warmup)
+
     tf0, eng0, stamps0 = _threefold(cfg, grid, 0, args.bucket_mb)
     out = {"params": sum(p.numel() for p in eng0.params)}
-    out["dp"] = interleave({"threefold": tf0, "torch": _ddp(cfg, grid, args.bucket_mb, False)}, data,
-                           args.warmup, args.rounds, args.steps, barrier)
+    out["dp"] = matchup(tf0, _ddp(cfg, grid, args.bucket_mb, False))
     out["overlap0"] = {"exposed": _exposed(stamps0, args.warmup, grid.dp.pg), "serial": eng0.time_serial_comm(),
                        "buckets": len(eng0.layout.buckets)}
 
     tf1, _, _ = _threefold(cfg, grid, 1, args.bucket_mb)
-    out["zero1"] = interleave({"threefold": tf1, "torch": _ddp(cfg, grid, args.bucket_mb, True)}, data,
-                              args.warmup, args.rounds, args.steps, barrier)
+    out["zero1"] = matchup(tf1, _ddp(cfg, grid, args.bucket_mb, True))
 
     tf3_memory = {}
     tf3, _, _ = _threefold(cfg, grid, 3, args.bucket_mb, memory=tf3_memory)
     fsdp, fsdp_memory = _fsdp2(cfg, grid)
-    out["zero3"] = interleave({"threefold": tf3, "torch": fsdp}, data, args.warmup, args.rounds, args.steps, barrier)
+    out["zero3"] = matchup(tf3, fsdp)
     out["zero3_memory"] = {"threefold": tf3_memory["bytes"], "torch": fsdp_memory["bytes"]}
 
     on, _, _ = _threefold(cfg, grid, 0, args.bucket_mb)
     off, _, _ = _threefold(cfg, grid, 0, args.bucket_mb, overlap=False)
-    out["overlap"] = interleave({"threefold": on, "torch": off}, data, args.warmup, args.rounds, args.steps, barrier)
+    out["overlap"] = matchup(on, off)
     tf2, eng2, stamps2 = _threefold(cfg, grid, 2, args.bucket_mb)
     for i in range(args.warmup + args.rounds * args.steps):
-        tf2(data[i % len(data)], i)
+        tf2(data[i % len(data)])
     out["overlap2"] = {"exposed": _exposed(stamps2, args.warmup, grid.dp.pg), "serial": eng2.time_serial_comm(),
                        "buckets": len(eng2.layout.buckets)}
     dist.barrier()
@@ -172,42 +186,64 @@ def _worker(args) -> dict:
     return out
 
 
-def _row(name: str, times: dict, memory: dict | None = None) -> str:
-    a, b = summary(times["threefold"]), summary(times["torch"])
-    cell = lambda s: f"{s[0] * 1e3:.1f} ({s[1] * 1e3:.1f}-{s[2] * 1e3:.1f})"  # noqa: E731
+def hidden(overlap: dict):
+    """Share of the serial gradient communication hidden behind backward, per step, bootstrapped."""
+    return bootstrap_median([1 - e / overlap["serial"] for e in overlap["exposed"]], unit="step")
+
+
+def _row(name: str, blocks: dict, memory: dict | None = None) -> str:
     mem = f"{memory['threefold'] / memory['torch']:.2f} ({memory['threefold']:,} / {memory['torch']:,} B)" \
         if memory else "-"
-    return f"| {name} | {cell(a)} | {cell(b)} | {a[0] / b[0]:.2f} | {mem} |"
+    return (f"| {name} | {cell(steps_of(blocks['threefold']))} | {cell(steps_of(blocks['torch']))} | "
+            f"{show(ratio(blocks, 'threefold', 'torch'))} | {mem} |")
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=4, help="steps per contestant per round")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=12, help="rounds: one threefold block, one torch block")
+    parser.add_argument("--steps", type=int, default=2, help="steps per contestant per round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per contestant")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--bucket-mb", type=float, default=1.0)
-    parser.add_argument("--quick", action="store_true", help="1 round of 2 steps, 1 warm-up step")
+    parser.add_argument("--bucket-mb", type=float, default=1.0, help="MiB, threefold's and DDP's buckets alike")
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 1 step, 1 warm-up step")
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.steps, args.warmup = 1, 2, 1
+        args.rounds, args.steps, args.warmup = 3, 1, 1
     r = spawn(_worker, args.ranks, args)[0]
+    r.update(rounds=args.rounds, steps=args.steps, warmup=args.warmup, bucket_mb=args.bucket_mb)
     print(f"\n{args.ranks} ranks, tiny llama ({r['params']:,} parameters, {args.layers} blocks), seq 64, "
-          f"8 sequences/rank/step, bucket {args.bucket_mb} MB; {args.rounds} rounds x {args.steps} steps "
-          "interleaved; median (p25-p75) ms/step\n")
+          f"8 sequences/rank/step, bucket {args.bucket_mb:g} MiB; {args.rounds} rounds x {args.steps} steps "
+          "interleaved; median [p25-p75] ms/step; time ratio: median per-round ratio [95% bootstrap interval]\n")
     print("| matchup | threefold | torch | time ratio | memory ratio |")
     print("|---|---|---|---|---|")
     print(_row("zero 0 vs DDP", r["dp"]))
     print(_row("zero 1 vs ZeroRedundancyOptimizer", r["zero1"]))
     print(_row("zero 3 vs FSDP2 fully_shard", r["zero3"], r["zero3_memory"]))
     print(_row("zero 0 overlapped (threefold col.) vs reduced after backward (torch col.)", r["overlap"]))
-    print("\n| overlap | buckets | serial comm ms | exposed after backward ms | hidden |")
+    print(f"\nWith a {r['params']:,}-parameter model on gloo, per-step Python and gloo latency weigh as much as the "
+          "data-parallel algorithm: the ratios compare each stack's overhead as much as its parallelism.")
+    print("\n| overlap | buckets | serial comm ms | exposed after backward ms | hidden (median [95% interval]) |")
     print("|---|---|---|---|---|")
     for name, key in (("zero 0 (all_reduce)", "overlap0"), ("zero 2 (reduce_scatter)", "overlap2")):
         o = r[key]
-        print(f"| {name} | {o['buckets']} | {o['serial'] * 1e3:.2f} | {o['exposed'] * 1e3:.2f} | "
-              f"{1 - o['exposed'] / o['serial']:.2f} |")
+        print(f"| {name} | {o['buckets']} | {o['serial'] * 1e3:.2f} | {statistics.median(o['exposed']) * 1e3:.2f} | "
+              f"{show(hidden(o))} |")
+    print("\nContestants:\n")
+    print(f"- threefold: DataParallel engine (ZeRO 0/1/2/3, bucket {args.bucket_mb:g} MiB, reductions overlapped "
+          "with backward), engine.grad_norm + clip at 1.0 and the engine's AdamW (torch's foreach arithmetic on "
+          "flat buffers).")
+    print(f"- DDP: DistributedDataParallel(bucket_cap_mb={args.bucket_mb:g}, gradient_as_bucket_view=True), "
+          "AdamW(foreach=True) with weight decay on matrices only, clip_grad_norm_(foreach=True), "
+          "zero_grad(set_to_none=False) so gradients stay bucket views.")
+    print("- ZeroRedundancyOptimizer: the same DDP, ZeroRedundancyOptimizer(optimizer_class=AdamW, "
+          "parameters_as_bucket_view=True, foreach=True), the same clipping and zero_grad.")
+    print("- FSDP2: fully_shard per block and on the root over init_device_mesh(\"cpu\", (dp,)), "
+          "AdamW(foreach=True), clip_grad_norm_(foreach=True) on its DTensor gradients, "
+          "zero_grad(set_to_none=True).")
+    print(f"- Both sides of each matchup: {args.ranks} gloo ranks, the same init, batches and hyper-parameters; "
+          f"{args.warmup} untimed warm-up step(s) each, then {args.rounds} rounds x {args.steps} step(s); per-round "
+          "value = median of the round's step times on rank 0.")
     return r
 
 

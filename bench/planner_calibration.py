@@ -149,11 +149,65 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"| {row.run.name}{flag} | {lay.dp} | {lay.tp} | {lay.pp} | {lay.world} | {row.measured:.3f} | "
               f"{row.fitted:.3f} | {err:+.1%} |")
         if row.held_out:
-            rows.append({"name": row.run.name, "error": err})
+            rows.append({"name": row.run.name, "error": err, "predicted_s": row.fitted,
+                         "step_times_s": used_step_times(row.run.path)})
     for name, (state, detail) in status.items():
         if state != "ok":
             print(f"| {name} | | | | | {state}: {detail} | | |")
+    print_category_errors(cal)
     return rows
+
+
+def used_step_times(run_dir: str) -> list[float]:
+    """The step times behind a run's measured median: calibrate.load_run's, warm-up dropped."""
+    import json
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    times = [json.loads(line)["step_time_s"] for line in lines if line.strip()]
+    return times[max(1, len(times) // 5):] or times[-1:]
+
+
+def worst_error(rows: list[dict]):
+    """The worst held-out |predicted / measured - 1| with a 95% bootstrap interval: each run's
+    steps are resampled, its median and error recomputed, and the worst run taken."""
+    import numpy as np
+
+    from stats import bootstrap
+
+    predicted = np.array([r["predicted_s"] for r in rows])
+
+    def statistic(*times):
+        medians = np.stack([np.median(t, axis=-1) for t in times], axis=-1)
+        return np.abs(predicted / medians - 1).max(axis=-1)
+
+    steps = min(len(r["step_times_s"]) for r in rows)
+    return bootstrap([r["step_times_s"] for r in rows], statistic,
+                     f"worst of {len(rows)} runs, steps resampled ({steps}+ per run)")
+
+
+def print_category_errors(cal) -> None:
+    """Each measured category (the slowest rank's spans) against its fitted prediction, per run,
+    and the band over all runs: what `threefold plan` prints next to a category outside 25%."""
+    from threefold.planner.validation import MEASURED_AS, TOLERANCE, Band
+
+    names = [n for n in MEASURED_AS if n != "step" and any(r.category == n for r in cal.rows)]
+    if not names:
+        print("\nNo category was measured (the runs had no spans).")
+        return
+    errors = {(r.run.name, r.category): r.fitted / r.measured - 1 for r in cal.rows}
+    runs = list(dict.fromkeys(r.run.name + (" (calibration)" if not r.held_out else "") for r in cal.rows))
+    labels = [MEASURED_AS[n] for n in names]
+    print(f"\nPer category, predicted / measured - 1 on the slowest rank (spans); plans print a category outside "
+          f"{TOLERANCE:.0%} with its band:\n")
+    print("| run | " + " | ".join(labels) + " |")
+    print("|---|" + "---|" * len(labels))
+    for run in runs:
+        name = run.split(" ")[0]
+        cells = [Band(errors[name, n], errors[name, n], 1).text() if (name, n) in errors else "-" for n in names]
+        print(f"| {run} | " + " | ".join(cells) + " |")
+    bands = cal.bands()
+    print("| **band** | " + " | ".join(bands[label].text() + ("" if bands[label].within else " (outside)")
+                                    for label in labels) + " |")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 p gloo processes run threefold's PipelineExecutor over SleepStage chunks (fixed forward /
 backward / weight-gradient times that use no CPU core), so p > cores still behaves like p
-devices. Bubble = 1 - (compute time / step wall time), mean over ranks, median over steps.
+devices. Bubble = 1 - (compute time / step wall time), mean over ranks per step; reported as
+the median over steps with its 95% bootstrap interval (bench/stats.py).
 
-    python bench/pp_bubble.py [--p 4] [--m 8] [--forward-ms 10] [--steps 3]
+    python bench/pp_bubble.py [--p 4] [--m 8] [--forward-ms 10] [--steps 5]
 """
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from harness import run_ranks  # noqa: E402
+from stats import Interval, bootstrap_median, show  # noqa: E402
 
 
 def bubble_worker(cases: list[tuple[str, int]], p: int, m: int, forward_s: float, steps: int) -> dict:
@@ -57,10 +59,15 @@ def bubble_worker(cases: list[tuple[str, int]], p: int, m: int, forward_s: float
     return out
 
 
-def measure(cases: list[tuple[str, int]], p: int, m: int, forward_ms: float, steps: int) -> dict[str, float]:
+def measure(cases: list[tuple[str, int]], p: int, m: int, forward_ms: float, steps: int) -> dict[str, list[float]]:
+    """Per schedule, the bubble of each step (mean over ranks)."""
     per_rank = run_ranks(bubble_worker, p, cases, p, m, forward_ms / 1e3, steps, timeout=900)
-    return {s: statistics.median(statistics.mean(rank[s][i] for rank in per_rank) for i in range(steps))
-            for s, _ in cases}
+    return {s: [statistics.mean(rank[s][i] for rank in per_rank) for i in range(steps)] for s, _ in cases}
+
+
+def over_theory(row: dict) -> Interval:
+    """measured / theory: the median over steps of each step's bubble / theory, bootstrapped."""
+    return bootstrap_median([b / row["theory"] for b in row["per_step"]], unit="step")
 
 
 def theory(schedule: str, p: int, m: int, v: int) -> float:
@@ -74,18 +81,21 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--p", type=int, default=4)
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--forward-ms", type=float, default=10.0)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per schedule (after one warm-up step)")
     args = ap.parse_args(argv)
     rows = []
     cases = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]
     measured = measure(cases, args.p, args.m, args.forward_ms, args.steps)
     print(f"Stage forward {args.forward_ms:g} ms, {args.steps} steps after one warm-up step\n")
-    print("| schedule | p | m | v | measured bubble | theory | measured/theory |")
+    print("| schedule | p | m | v | measured bubble (median) | theory | measured/theory [95% interval] |")
     print("|---|---|---|---|---|---|---|")
     for schedule, v in cases:
-        got, want = measured[schedule], theory(schedule, args.p, args.m, v)
-        rows.append({"schedule": schedule, "p": args.p, "m": args.m, "v": v, "measured": got, "theory": want})
-        print(f"| {schedule} | {args.p} | {args.m} | {v} | {got:.3f} | {want:.3f} | {got / want:.2f} |", flush=True)
+        want = theory(schedule, args.p, args.m, v)
+        row = {"schedule": schedule, "p": args.p, "m": args.m, "v": v, "per_step": measured[schedule],
+               "measured": statistics.median(measured[schedule]), "theory": want}
+        rows.append(row)
+        print(f"| {schedule} | {args.p} | {args.m} | {v} | {row['measured']:.3f} | {want:.3f} | "
+              f"{show(over_theory(row))} |", flush=True)
     return rows
 
 

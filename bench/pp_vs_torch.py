@@ -19,27 +19,29 @@ p, m, data; different placement, so those two ratios compare schedules, not exec
 
 No gradient clipping, constant lr; the same fixed random batch every step. Contestants
 alternate in blocks A, B, A, B ... inside ONE process group per p to cancel drift; step time
-is the interval between step ends on pipeline rank 0 (median and interquartile range).
+is the interval between step ends on pipeline rank 0 (median and interquartile range); the
+ratio is the median over rounds of the per-round ratio, with its 95% bootstrap interval.
 First-step losses (same weights, same data) must agree; the second-step loss (after one
 AdamW step) checks that the gradients agree too.
 
-    python bench/pp_vs_torch.py [--steps 4] [--rounds 3] [--warmup 2] [--p 2 4] [--quick]
+    python bench/pp_vs_torch.py [--steps 1] [--rounds 8] [--warmup 2] [--p 2 4] [--quick]
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import os
-import statistics
 import sys
 import time
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from harness import run_ranks  # noqa: E402
+from stats import show  # noqa: E402
+from timing import alternate, cell, ratio, steps_of  # noqa: E402
 
 GLOBAL_BATCH = 16
 
@@ -146,35 +148,17 @@ def bench_worker(p: int, cases: list, preset: str, rounds: int, steps: int, warm
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, cfg.model.vocab, (GLOBAL_BATCH, seq + 1), generator=gen)
         x, y, n_tokens = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), GLOBAL_BATCH * seq
-        contestants = {"threefold": threefold_contestant(cfg, grid),
-                       "torch": torch_contestant(cfg, grid, torch_cls, torch_v, placement, n_tokens)}
-        losses = {k: [step(x, y, n_tokens), step(x, y, n_tokens)] for k, step in contestants.items()}
-        for step in contestants.values():
-            for _ in range(warmup):
-                step(x, y, n_tokens)
-        times: dict[str, list[float]] = {k: [] for k in contestants}
-        for _ in range(rounds):
-            for k, step in contestants.items():  # A, B, A, B ...
-                dist.barrier()
-                last = time.perf_counter()
-                for _ in range(steps):
-                    step(x, y, n_tokens)
-                    now = time.perf_counter()
-                    times[k].append(now - last)
-                    last = now
+        contestants = {"threefold": partial(threefold_contestant(cfg, grid), x, y, n_tokens),
+                       "torch": partial(torch_contestant(cfg, grid, torch_cls, torch_v, placement, n_tokens), x, y,
+                                        n_tokens)}
+        losses = {k: [step(), step()] for k, step in contestants.items()}
+        blocks = alternate(contestants, rounds, steps, dist.barrier, warmup)
         out.append({"name": name, "p": p, "m": m, "v": (v, torch_v), "layers": layers, "torch": torch_cls,
-                    "times": times, "losses": losses})
+                    "blocks": blocks, "losses": losses})
         del contestants
         gc.collect()
     shutdown_distributed()
     return out
-
-
-def summary(times: list[float]) -> tuple[float, float, float]:
-    if len(times) < 2:
-        return times[0], times[0], times[0]
-    q = statistics.quantiles(times, n=4, method="inclusive")  # never outside the data
-    return statistics.median(times), q[0], q[2]
 
 
 def merge(per_rank: list[list[dict]]) -> list[dict]:
@@ -186,22 +170,18 @@ def merge(per_rank: list[list[dict]]) -> list[dict]:
     return rows
 
 
-def fmt(s: tuple[float, float, float]) -> str:
-    return f"{s[0] * 1e3:.1f} [{s[1] * 1e3:.0f}-{s[2] * 1e3:.0f}]"
-
-
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per block")
-    ap.add_argument("--rounds", type=int, default=3, help="A, B blocks per contestant")
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per block")
+    ap.add_argument("--rounds", type=int, default=8, help="rounds: one threefold block, one torch block")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant after the loss check")
     ap.add_argument("--p", type=int, nargs="+", default=[2, 4], choices=sorted(CASES))
     ap.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--quick", action="store_true", help="p=2 only, 1 round of 2 steps, 1 warm-up step")
+    ap.add_argument("--quick", action="store_true", help="p=2 only, 3 rounds of 1 step, 1 warm-up step")
     args = ap.parse_args(argv)
     if args.quick:
-        args.p, args.rounds, args.steps, args.warmup = [2], 1, 2, 1
+        args.p, args.rounds, args.steps, args.warmup = [2], 3, 1, 1
     rows = []
     t0 = time.perf_counter()
     for p in args.p:
@@ -211,23 +191,36 @@ def main(argv=None) -> list[dict]:
                                     timeout=900))
     print(f"\nPipeline training step (executor/schedule + AdamW), {args.preset} preset, global batch {GLOBAL_BATCH}, "
           f"CPU/gloo, 1 thread per rank, {args.rounds} rounds x {args.steps} steps, median [IQR] ms on pp rank 0 "
-          f"({time.perf_counter() - t0:.0f} s)\n")
+          f"({time.perf_counter() - t0:.0f} s); ratio: median per-round ratio [95% bootstrap interval]\n")
     print("| schedule | p | m | v | threefold ms | torch ms | ratio | loss A | loss B |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        a, b = summary(r["times"]["threefold"]), summary(r["times"]["torch"])
-        r["threefold_ms"], r["torch_ms"], r["ratio"] = a[0] * 1e3, b[0] * 1e3, a[0] / b[0]
+        b = r["blocks"]
         va, vb = r["v"]
         v = str(va) if va == vb else f"{va} / {vb}"
         la, lb = r["losses"]["threefold"][0], r["losses"]["torch"][0]
-        print(f"| {r['name']} ({r['torch']}, {r['layers']} layers) | {r['p']} | {r['m']} | {v} | {fmt(a)} | "
-              f"{fmt(b)} | {r['ratio']:.2f} | {la:.6f} | {lb:.6f} |")
+        print(f"| {r['name']} ({r['torch']}, {r['layers']} layers) | {r['p']} | {r['m']} | {v} | "
+              f"{cell(steps_of(b['threefold']))} | {cell(steps_of(b['torch']))} | "
+              f"{show(ratio(b, 'threefold', 'torch'))} | {la:.6f} | {lb:.6f} |")
+    print("\nWith the tiny model on CPU each micro-batch computes briefly, so the ratios weigh each side's "
+          "per-action Python overhead (schedule bookkeeping, p2p set-up) alongside the schedules themselves.")
     print("\nSecond-step loss (after one AdamW step on each side's own gradients):\n")
     print("| schedule | p | loss A | loss B | abs diff |")
     print("|---|---|---|---|---|")
     for r in rows:
         la, lb = r["losses"]["threefold"][1], r["losses"]["torch"][1]
         print(f"| {r['name']} | {r['p']} | {la:.6f} | {lb:.6f} | {abs(la - lb):.1e} |")
+    print("\nContestants:\n")
+    print("- threefold: build_stage over build_model (the chunks of this rank), PipelineExecutor.run with the "
+          "schedule's action list, loss scaled by the global tokens; AdamW(foreach=True) "
+          "(threefold.train.optim.build_optimizer), zero_grad(set_to_none=True).")
+    print("- torch: one torch.distributed.pipelining.PipelineStage per virtual stage over the same chunks, the "
+          "schedule class named in the table (n_microbatches=m, loss_fn = summed cross-entropy / global tokens, "
+          "scale_grads=False), schedule.step; the same AdamW(foreach=True) and zero_grad(set_to_none=True).")
+    print(f"- Both: pipeline group of p gloo ranks (one per stage rank), no gradient clipping, constant lr, the same "
+          f"fixed batch; two loss-check steps and {args.warmup} untimed warm-up step(s) each, then {args.rounds} "
+          f"rounds x {args.steps} step(s) alternating threefold, torch; per-round value = median of the round's "
+          "step times on pp rank 0.")
     return rows
 
 

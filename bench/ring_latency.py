@@ -28,12 +28,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dp_common import spawn  # noqa: E402
+from stats import Interval, bootstrap, show  # noqa: E402
 
 from threefold.observe.metrics import available_cores  # noqa: E402
 
 
-def _rank_main(groups: list[int], calls: int, burst_ms: float, rounds: int) -> dict[int, float]:
-    """Median seconds per all-reduce for each group size, on this rank."""
+def _rank_main(groups: list[int], calls: int, burst_ms: float, rounds: int) -> dict[int, list[float]]:
+    """Seconds of every timed all-reduce for each group size, on this rank."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     a = torch.randn(192, 192)
@@ -65,7 +66,19 @@ def _rank_main(groups: list[int], calls: int, burst_ms: float, rounds: int) -> d
                 dist.all_reduce(x, group=mine[g])
                 times[g].append(time.perf_counter() - t)
     dist.destroy_process_group()
-    return {g: statistics.median(v) for g, v in times.items()}
+    return times
+
+
+def group_ratio(per_rank: list[dict], a: int, b: int) -> Interval:
+    """call(a) / call(b), a call costing the slowest rank's median, with a 95% interval from
+    resampling every rank's calls (each rank and group size independently)."""
+    def statistic(*arrays):  # the a-group arrays of every rank, then the b-group ones
+        ranks = len(per_rank)
+        slowest = lambda xs: np.max([np.median(x, axis=-1) for x in xs], axis=0)  # noqa: E731
+        return slowest(arrays[:ranks]) / slowest(arrays[ranks:])
+
+    samples = [r[a] for r in per_rank] + [r[b] for r in per_rank]
+    return bootstrap(samples, statistic, f"bootstrap over {len(per_rank[0][a])} calls per rank")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -86,17 +99,20 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--groups needs two or more sizes >= 2 that divide --world {args.world} (got {args.groups})")
     per_rank = spawn(_rank_main, args.world, args.groups, args.calls, args.burst_ms, args.rounds, timeout=600)
     # The slowest rank's median per size, as the training step waits for its slowest rank.
-    call = {g: max(r[g] for r in per_rank) for g in args.groups}
+    call = {g: max(statistics.median(r[g]) for r in per_rank) for g in args.groups}
     steps = np.array([[1.0, 2 * (g - 1)] for g in args.groups])
     (overhead, step), *_ = np.linalg.lstsq(steps, np.array([call[g] for g in args.groups]), rcond=None)
     print(f"{args.world} ranks on {available_cores()} cores, "
-          f"{args.burst_ms:g} ms of compute between calls")
+          f"{args.burst_ms:g} ms of compute between calls\n")
     print("| group | ring steps | ms per all-reduce |")
     print("|---|---|---|")
     for g in args.groups:
         print(f"| {g} | {2 * (g - 1)} | {call[g] * 1e3:.2f} |")
     print(f"fit: collective_overhead_us {overhead * 1e6:.0f}, intra_latency_us {step * 1e6:.0f}")
-    return {"world": args.world, "call_s": call, "collective_overhead_us": overhead * 1e6,
+    big, small = max(args.groups), min(args.groups)
+    print(f"\ngroup of {big} / group of {small} per call: {show(group_ratio(per_rank, big, small))} "
+          "(95% bootstrap interval)")
+    return {"world": args.world, "call_s": call, "samples": per_rank, "collective_overhead_us": overhead * 1e6,
             "intra_latency_us": step * 1e6}
 
 

@@ -4,7 +4,8 @@ from scratch (machine, date, command, a summary of every ratio, then each sectio
 
 A section is a `Script`: the module name of a bench/ script whose `main(argv)` prints
 markdown and returns its rows, the argv of a full and of a quick run, and a function from the
-returned rows to {ratio name: value}. Goals compare a ratio with a bound ("<= 0.8").
+returned rows to {ratio name: Interval} (bench/stats.py; a bare float is exact). Goals compare
+a ratio with a bound ("<= 0.8"): met when the whole 95% interval is on the right side of it.
 """
 from __future__ import annotations
 
@@ -12,16 +13,21 @@ import contextlib
 import importlib
 import io
 import json
+import math
 import os
 import platform
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Callable
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
+
+from stats import Interval, as_interval, fmt  # noqa: E402
 
 
 @dataclass
@@ -32,7 +38,7 @@ class Result:
     title: str
     command: str
     body: str
-    ratios: dict[str, float]
+    ratios: dict[str, Interval | float]
     goals: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     error: str = ""
@@ -47,7 +53,7 @@ class Script:
     title: str
     full: str = ""
     quick: str = "--quick"
-    ratios: Callable[[object], dict[str, float]] = lambda rows: {}
+    ratios: Callable[[object], dict[str, Interval | float]] = lambda rows: {}
     goals: dict[str, str] = field(default_factory=dict)
     note: str = ""
     label: str = ""  # the section's name when one script runs twice with other arguments
@@ -64,8 +70,6 @@ class Script:
         return f"python bench/{self.module}.py{' ' + args if args else ''}"
 
     def run(self, quick: bool) -> Result:
-        if BENCH not in sys.path:
-            sys.path.insert(0, BENCH)
         t0 = time.perf_counter()
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -98,6 +102,15 @@ def check_goal(value: float, bound: str) -> bool:
             ">": value > float(limit)}[op]
 
 
+def verdict(value: Interval | float, bound: str) -> str:
+    """"yes" when the whole interval meets the bound, "no" when none of it does, "within noise"
+    when it straddles the bound. A bound's side is a half-line, so the interval's two ends
+    decide for every point between them."""
+    interval = as_interval(value)
+    ends = [check_goal(interval.lo, bound), check_goal(interval.hi, bound)]
+    return "yes" if all(ends) else "no" if not any(ends) else "within noise"
+
+
 def goal_of(result: Result, ratio: str) -> str:
     return next((bound for prefix, bound in result.goals.items() if ratio.startswith(prefix)), "")
 
@@ -122,16 +135,17 @@ def machine() -> dict:
 
 
 def summary_table(results: list[Result]) -> list[str]:
-    lines = ["| section | ratio | value | goal | met |", "|---|---|---|---|---|"]
+    lines = ["| section | ratio | value | 95% interval | from | goal | met |", "|---|---|---|---|---|---|---|"]
     for r in results:
         if r.error:
-            lines.append(f"| {r.name} | - | failed: {r.error} | - | - |")
+            lines.append(f"| {r.name} | - | failed: {r.error} | - | - | - | - |")
         for name, value in r.ratios.items():
-            goal = goal_of(r, name)
-            met = ("yes" if check_goal(value, goal) else "**no**") if goal else "-"
-            shown = f"{value:.3f}" if value == 0 or abs(value) >= 1e-3 else f"{value:.1e}"
+            i, goal = as_interval(value), goal_of(r, name)
+            span = "-" if i.how == "exact" else f"[{fmt(i.lo)}, {fmt(i.hi)}]"
             cell = name.replace("|", "\\|")  # a ratio's name must not split the table row
-            lines.append(f"| {r.name} | {cell} | {shown} | {goal or '-'} | {met} |")
+            met = verdict(i, goal) if goal else "-"
+            lines.append(f"| {r.name} | {cell} | {fmt(i.value)} | {span} | {i.how} | {goal or '-'} | "
+                         f"{'**no**' if met == 'no' else met} |")
     return lines
 
 
@@ -144,11 +158,18 @@ def write_markdown(results: list[Result], info: dict, command: str, total_s: flo
              f"Machine: {info['cpu']}, {info['cores']} cores available, {info['memory_gib']} GiB memory, "
              f"GPU: {info['gpu']}; torch {info['torch']}, Python {info['python']}; CPU runs use gloo and one "
              f"OMP thread per rank; 1-minute load average {info['load_1min']} at the start.", "",
-             "Contestants of a comparison run in the same processes and alternate in blocks (A, B, A, B ...) so "
-             "machine drift hits both alike; times are medians with their spread (interquartile range or "
-             "half the spread of round medians, as each table says). Ratios are threefold / peer for times "
-             "(lower is better) and threefold / peer for tokens/s (higher is better), as named. With more ranks "
-             "than cores the step times measure oversubscription, not scaling; ratios still compare like with "
+             "Contestants of a comparison run in the same processes and alternate in blocks (A, B, A, B ...); "
+             "a round is one A block and one B block timed back to back, so machine drift hits both alike. "
+             "Each round gives one ratio (A's median step time over B's); a timed comparison reports the median "
+             "of the per-round ratios with a 95% percentile-bootstrap interval of that median (4000 "
+             "resamplings, fixed seed; bench/stats.py). Other measured quantities (bubble, hidden communication, "
+             "collective cost) are bootstrapped over their samples, and deterministic ones (memory, bytes, loss "
+             "differences) are exact. A goal is met (yes) only when the whole interval clears it, missed "
+             "(**no**) when the whole interval is on the wrong side, and \"within noise\" when the interval "
+             "straddles the bound (always so for a single round, which has no interval). Tables show times "
+             "as medians with their interquartile range. Ratios are threefold / peer for times (lower is "
+             "better) and threefold / peer for tokens/s (higher is better), as named. With more ranks than "
+             "cores the step times measure oversubscription, not scaling; ratios still compare like with "
              "like.", "", "## Summary", ""]
     lines += summary_table(results)
     for r in results:
@@ -157,14 +178,24 @@ def write_markdown(results: list[Result], info: dict, command: str, total_s: flo
     lines += ["", "## Adding a section", "",
               "A section is one `Script(...)` entry in `SECTIONS` in bench/run.py: the bench/ script's module "
               "name, a title, the arguments of a full and of a quick run, a function from what its "
-              "`main(argv)` returns to named ratios, and optional goals. The script's `main(argv)` prints "
-              "markdown (its tables) and returns its rows; run.py calls it in-process and keeps both.", ""]
+              "`main(argv)` returns to named ratios (bench/stats.py Intervals: `paired_ratio` of per-round "
+              "times, `bootstrap_median` of samples, `exact`; a bare float counts as exact), and optional "
+              "goals. The script's `main(argv)` prints markdown (its tables) and returns its rows, per-round "
+              "data included; run.py calls it in-process and keeps both.", ""]
     return "\n".join(lines)
+
+
+def interval_json(value: Interval | float) -> dict:
+    """value, lo, hi, n, how; an unbounded end (a single round) as null."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in asdict(as_interval(value)).items()}
 
 
 def write_json(path: str, results: list[Result], info: dict, command: str) -> None:
     data = {"machine": info, "command": command,
             "sections": [{"name": r.name, "title": r.title, "command": r.command, "seconds": r.seconds,
-                          "ratios": r.ratios, "goals": r.goals, "error": r.error} for r in results]}
+                          "ratios": {k: interval_json(v) for k, v in r.ratios.items()}, "goals": r.goals,
+                          "verdicts": {k: verdict(v, goal_of(r, k)) for k, v in r.ratios.items() if goal_of(r, k)},
+                          "error": r.error} for r in results]}
     with open(path, "w") as f:
         json.dump(data, f, indent=2)

@@ -17,7 +17,8 @@ the same micro-batches, with the same AdamW hyper-parameters, constant lr and cl
      `torch.distributed.pipelining.PipelineStage` over the mesh's pp group with the matching
      schedule class (Schedule1F1B / ScheduleGPipe), loss = summed cross-entropy / tokens of
      the dp rank's batch (FSDP2 averages over dp), scale_grads=False; the global gradient norm
-     as torchtitan computes it (per-mesh DTensor norms, squared, summed over pp); torch AdamW.
+     as torchtitan computes it (per-mesh DTensor norms, squared, summed over pp), foreach
+     clipping and one AdamW(foreach=True) per device mesh (bench/torch_peers.py).
 
 Configured identically: same weights, same batches, same lr (constant), betas, eps 1e-8,
 weight decay on matrices only, clipping at the same global norm, fp32 everywhere, dropout 0,
@@ -25,13 +26,14 @@ no sequence parallelism, no tied embeddings. FSDP2 runs with reshard_after_forwa
 inside the pipeline, as torchtitan does, so parameters are gathered once per step rather than
 per micro-batch. Contestants alternate in blocks A, B, A, B ... inside one process group;
 step time is the interval between step ends on global rank 0 (median and interquartile range);
-tokens/s = global batch tokens / step time.
+tokens/s = global batch tokens / step time; the ratio is the median over rounds of the
+per-round ratio, with its 95% bootstrap interval (bench/stats.py).
 
 The threefold side also reports the bytes its collectives moved per step next to the analytic
 count for the layout (TP from Group.stats; DP counted at the torch.distributed calls on the dp
 group) and its per-rank model-state memory next to ZeRO's formula.
 
-    python bench/threed_vs_torch.py [--dp 2 --tp 2 --pp 2] [--rounds 4] [--steps 3] [--quick]
+    python bench/threed_vs_torch.py [--dp 2 --tp 2 --pp 2] [--rounds 9] [--steps 1] [--quick]
 """
 from __future__ import annotations
 
@@ -39,7 +41,6 @@ import argparse
 import gc
 import os
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -47,8 +48,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from composable3d import SCHEDULES, torch_contestant  # noqa: E402
-from pp_vs_torch import summary  # noqa: E402
 from harness import run_ranks  # noqa: E402
+from stats import show  # noqa: E402
+from timing import alternate, cell, feeder, ratio, steps_of, summary  # noqa: E402
 
 
 def make_cfg(dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dict):
@@ -184,32 +186,20 @@ def bench_worker(dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dic
     comm = {"tp": grid.tp.stats.total_bytes - tp0, "dp": counter.bytes - dp0}
     counter.close()
     torch_step, torch_memory = torch_contestant(cfg, schedule, mesh, n_tokens // dp)
-    contestants = {"threefold": tf_step, "torch": torch_step}
+    steps_of_contestant = {"threefold": tf_step, "torch": torch_step}
     first_loss["torch"] = [torch_step(data[0], n_tokens)]
-    for name, step in contestants.items():  # second step: checks the gradients and the update agree
+    for name, step in steps_of_contestant.items():  # second step: checks the gradients and the update agree
         first_loss[name].append(step(data[1], n_tokens))
-    i = 2
-    for step in contestants.values():
-        for _ in range(warmup):
-            step(data[i % n_data], n_tokens)
-    times: dict[str, list[float]] = {k: [] for k in contestants}
-    for _ in range(rounds):
-        for name, step in contestants.items():  # A, B, A, B ...
-            dist.barrier()
-            last = time.perf_counter()
-            for _ in range(steps):
-                step(data[i % n_data], n_tokens)
-                i += 1
-                now = time.perf_counter()
-                times[name].append(now - last)
-                last = now
+    # Each contestant walks the same batches (data[2], data[3], ...) through warm-up and timing.
+    contestants = {name: feeder(step, data[2:], n_tokens) for name, step in steps_of_contestant.items()}
+    blocks = alternate(contestants, rounds, steps, dist.barrier, warmup)
     layers = stage_layer_ids(m, pp, 1, cfg.parallel.stage_layers)[grid.pp_rank]
     analytic = analytic_bytes(cfg, len(layers), grid.is_first_stage, grid.is_last_stage, tf_memory["numel"],
                               tf_memory["block_numel"])
-    out = {"rank": grid.global_rank, "coords": (grid.dp_rank, grid.tp_rank, grid.pp_rank), "times": times,
+    out = {"rank": grid.global_rank, "coords": (grid.dp_rank, grid.tp_rank, grid.pp_rank), "blocks": blocks,
            "losses": first_loss, "comm": comm, "analytic": analytic, "memory": {"threefold": tf_memory,
                                                                                 "torch": torch_memory}}
-    del contestants
+    del contestants, steps_of_contestant
     gc.collect()
     shutdown_distributed()
     return out
@@ -224,27 +214,24 @@ def global_losses(per_rank: list[dict], n_tokens: int) -> dict[str, list[float]]
     return out
 
 
-def run(dp: int = 2, tp: int = 2, pp: int = 2, schedule: str = "1f1b", zero: int = 3, rounds: int = 4,
-        steps: int = 3, warmup: int = 1, shape: dict | None = None) -> dict:
+def run(dp: int = 2, tp: int = 2, pp: int = 2, schedule: str = "1f1b", zero: int = 3, rounds: int = 9,
+        steps: int = 1, warmup: int = 1, shape: dict | None = None) -> dict:
     shape = shape or {"model.preset": "tiny", "model.seq_len": 64, "train.global_batch": 16, "train.micro_batch": 2}
     per_rank = run_ranks(bench_worker, dp * tp * pp, dp, tp, pp, schedule, zero, shape, rounds, steps, warmup,
                          timeout=1800)
     cfg = make_cfg(dp, tp, pp, schedule, zero, shape)
     n_tokens = cfg.train.global_batch * cfg.model.seq_len
-    a, b = summary(per_rank[0]["times"]["threefold"]), summary(per_rank[0]["times"]["torch"])
+    blocks = per_rank[0]["blocks"]
+    a, b = summary(steps_of(blocks["threefold"])), summary(steps_of(blocks["torch"]))
     losses = global_losses(per_rank, n_tokens)
     return {"dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "zero": zero, "m": cfg.parallel.microbatches,
             "micro_batch": cfg.train.micro_batch, "global_batch": cfg.train.global_batch, "seq": cfg.model.seq_len,
             "layers": cfg.model.layers, "hidden": cfg.model.hidden, "grad_clip": cfg.train.grad_clip,
-            "rounds": rounds, "steps": steps,
+            "rounds": rounds, "steps": steps, "warmup": warmup, "blocks": blocks, "bucket_mb": cfg.parallel.bucket_mb,
             "threefold": a, "torch": b, "tokens_per_s": (n_tokens / a[0], n_tokens / b[0]),
-            "ratio": b[0] / a[0], "losses": losses,
+            "ratio": ratio(blocks, "torch", "threefold"), "losses": losses,
             "loss_diff": max(abs(x - y) for x, y in zip(losses["threefold"], losses["torch"])),
             "ranks": per_rank}
-
-
-def fmt(s) -> str:
-    return f"{s[0] * 1e3:.1f} [{s[1] * 1e3:.0f}-{s[2] * 1e3:.0f}]"
 
 
 def markdown(r: dict) -> str:
@@ -252,21 +239,36 @@ def markdown(r: dict) -> str:
              f"tiny llama ({r['layers']} layers, hidden {r['hidden']}), seq {r['seq']}, global batch "
              f"{r['global_batch']} = dp {r['dp']} x {r['m']} micro-batches of {r['micro_batch']}; threefold ZeRO "
              f"{r['zero']} vs FSDP2; {r['rounds']} rounds x {r['steps']} steps interleaved, median [IQR] ms "
-             "on rank 0", "",
+             "on rank 0; ratio: median per-round ratio [95% bootstrap interval]", "",
              "| contestant | step ms | tokens/s | loss step 1 | loss step 2 |", "|---|---|---|---|---|"]
     for k, label in (("threefold", "threefold"), ("torch", "FSDP2 + DTensor TP + pipelining")):
         i = 0 if k == "threefold" else 1
         la = r["losses"][k]
-        lines.append(f"| {label} | {fmt(r[k])} | {r['tokens_per_s'][i]:,.0f} | {la[0]:.6f} | {la[1]:.6f} |")
-    lines += ["", f"tokens/s ratio threefold / torch: **{r['ratio']:.2f}**; largest loss difference "
-              f"{r['loss_diff']:.1e}.", "",
+        lines.append(f"| {label} | {cell(steps_of(r['blocks'][k]))} | {r['tokens_per_s'][i]:,.0f} | {la[0]:.6f} | "
+                     f"{la[1]:.6f} |")
+    lines += ["", f"tokens/s ratio threefold / torch: **{show(r['ratio'])}**; largest loss difference "
+              f"{r['loss_diff']:.1e}. With {r['dp'] * r['tp'] * r['pp']} processes on a few CPU cores and a tiny "
+              "model, the ratio weighs each stack's Python and per-operator dispatch overhead (DTensor's above all) "
+              "more than its parallel algorithms.", "",
               "Configured identically: the same weights (threefold's layout-invariant initialization of the plain "
               "chunks), the same batches (threefold's sampler), constant lr, AdamW betas, eps 1e-8 and weight "
               f"decay on matrices only, both clipping at global gradient norm {r['grad_clip']}, fp32, dropout 0, "
               "no sequence parallelism, untied embeddings. What differs is each stack's own machinery: FSDP2 runs "
               "with reshard_after_forward=False (torchtitan's setting under pipelining: one gather per step) "
-              "while threefold's ZeRO 3 gathers each block per micro-batch; torch AdamW runs foreach=False "
-              "(its parameters are DTensors on two meshes).", "",
+              "while threefold's ZeRO 3 gathers each block per micro-batch.", "",
+              "Contestants:", "",
+              f"- threefold: build_stage over build_model, PipelineExecutor ({r['schedule']}), DataParallel ZeRO "
+              f"{r['zero']} (bucket {r['bucket_mb']:g} MiB), TP partial-gradient all-reduce, engine.grad_norm over "
+              "dp, tp and pp, clip + the engine's AdamW (torch's foreach arithmetic on flat shards).",
+              f"- torch: DTensor TP (parallelize_module) inside FSDP2 fully_shard per block and per chunk "
+              f"(reshard_after_forward=False) on a (pp {r['pp']}, dp {r['dp']}, tp {r['tp']}) DeviceMesh with dp x tp "
+              "flattened (one all-reduce for 2-D norms), "
+              f"pipelining.PipelineStage + {SCHEDULES[r['schedule']]}(scale_grads=False), loss_parallel; "
+              f"{r['ranks'][0]['memory']['torch']['optimizer']}.",
+              f"- Both: the same weights and batches, constant lr, clipping at {r['grad_clip']}, fp32; two checked "
+              f"steps then {r['warmup']} untimed warm-up step(s) each, then {r['rounds']} rounds x {r['steps']} "
+              "step(s) alternating threefold, torch; per-round value = median of the round's step times on rank 0.",
+              "",
               "Per-rank communication of one threefold step vs the analytic count, and model-state memory "
               "(parameters + gradients + optimizer state after the step) vs ZeRO's formula and FSDP2:", "",
               "| rank (dp, tp, pp) | TP bytes | TP analytic | ratio | DP bytes | DP analytic | ratio | "
@@ -319,13 +321,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
     ap.add_argument("--zero", type=int, default=3, choices=[0, 1, 2, 3])
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per block")
+    ap.add_argument("--rounds", type=int, default=9, help="rounds: one threefold block, one torch block")
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="1 round of 2 steps")
+    ap.add_argument("--quick", action="store_true", help="3 rounds of 1 step, no extra warm-up")
     args = ap.parse_args(argv)
     if args.quick:
-        args.rounds, args.steps, args.warmup = 1, 2, 0
+        args.rounds, args.steps, args.warmup = 3, 1, 0
     r = run(args.dp, args.tp, args.pp, args.schedule, args.zero, args.rounds, args.steps, args.warmup)
     print(markdown(r))
     return r

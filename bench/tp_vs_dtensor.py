@@ -5,26 +5,28 @@ tp gloo processes: forward, summed-token loss with the logits left split over th
 backward, gradient-norm clipping, AdamW. threefold: build_model + its loop's gradient sync,
 norm and clip, AdamW(foreach=True) as `threefold train` runs it. DTensor: parallelize_module
 with ColwiseParallel / RowwiseParallel / SequenceParallel / PrepareModuleInput (the torchtitan
-plan, sequence dim 0 for our [seq, batch, hidden] activations), loss_parallel, and
-AdamW(foreach=False) (foreach cannot mix DTensor and plain tensors). Contestants alternate in
-blocks A, B, A, B ... to cancel machine drift; per-step time = interval between step ends on
-rank 0.
+plan, sequence dim 0 for our [seq, batch, hidden] activations), loss_parallel, and one
+AdamW(foreach=True) per parameter kind with foreach norm and clipping (bench/torch_peers.py).
+Contestants alternate in blocks A, B, A, B ... to cancel machine drift; per-step time =
+interval between step ends on rank 0; the ratio is the median over rounds of the per-round
+ratio of round medians, with its 95% bootstrap interval (bench/stats.py).
 
-    python bench/tp_vs_dtensor.py [--tp 2 4] [--sp on off] [--rounds 5] [--steps 10]
+    python bench/tp_vs_dtensor.py [--tp 2 4] [--sp on off] [--rounds 6] [--steps 2]
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from harness import run_ranks  # noqa: E402
+from stats import show  # noqa: E402
+from timing import alternate, cell, ratio, steps_of  # noqa: E402
 
 
 def make_cfg(tp: int, sp: bool, shape: dict):
@@ -59,17 +61,16 @@ def threefold_contestant(cfg, grid):
 
 
 def dtensor_contestant(cfg, sp: bool):
-    import torch
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, loss_parallel, parallelize_module)
+    from torch_peers import MeshOptimizer
 
     from threefold.model.meta import plain_model
-    from threefold.train.optim import param_groups
 
-    mesh = init_device_mesh("cpu", (cfg.parallel.tp,))
+    mesh = init_device_mesh("cpu", (cfg.parallel.tp,), mesh_dim_names=("tp",))
     model = plain_model(cfg.model, cfg.train.seed, "cpu")
     seq = Shard(0)  # our activations are [seq, batch, hidden]
     region = seq if sp else Replicate()
@@ -93,25 +94,19 @@ def dtensor_contestant(cfg, sp: bool):
         parallelize_module(block, mesh, layer_plan)
     model.loss_fn = lambda logits, targets: F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(),
                                                             reduction="sum")
-    t = cfg.train
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
-                            foreach=False)
-    params = [p for p in model.parameters()]
+    opt = MeshOptimizer(model, cfg.train)
 
     def step(tokens, targets, n_tokens):
         with loss_parallel():
             loss = model(tokens, targets)
             (loss / n_tokens).backward()
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=False)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, norm, foreach=False)
+        opt.clip(cfg.train.grad_clip, opt.grad_norm())
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss
         return value.item()
 
-    return step
+    return step, opt.describe()
 
 
 def bench_worker(tp: int, sp: bool, shape: dict, batch: int, rounds: int, steps: int, warmup: int) -> dict:
@@ -124,40 +119,27 @@ def bench_worker(tp: int, sp: bool, shape: dict, batch: int, rounds: int, steps:
     init_distributed(torch.device("cpu"), timeout_s=600)
     cfg = make_cfg(tp, sp, shape)
     grid = Grid.build(RankLayout(tp=tp))
-    contestants = {"threefold": threefold_contestant(cfg, grid), "dtensor": dtensor_contestant(cfg, sp)}
+    ours = threefold_contestant(cfg, grid)
+    peer, described = dtensor_contestant(cfg, sp)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab, (batch, cfg.model.seq_len + 1), generator=gen)
     inputs, targets, n_tokens = tokens[:, :-1], tokens[:, 1:], batch * cfg.model.seq_len
-    first_loss = {name: step(inputs, targets, n_tokens) / n_tokens for name, step in contestants.items()}
-    for step in contestants.values():
-        for _ in range(warmup - 1):
-            step(inputs, targets, n_tokens)
-    times = {name: [] for name in contestants}
-    for _ in range(rounds):
-        for name, step in contestants.items():  # A, B, A, B ...
-            dist.barrier()
-            last = time.perf_counter()
-            for _ in range(steps):
-                step(inputs, targets, n_tokens)
-                now = time.perf_counter()
-                times[name].append(now - last)
-                last = now
+    contestants = {name: partial(step, inputs, targets, n_tokens)
+                   for name, step in (("threefold", ours), ("dtensor", peer))}
+    # Warm-up from the same weights: step 1's loss checks the forward, step 2's the update too.
+    losses = {name: [step() / n_tokens for _ in range(max(1, warmup))] for name, step in contestants.items()}
+    blocks = alternate(contestants, rounds, steps, dist.barrier)
     shutdown_distributed()
-    return {"times": times, "first_loss": first_loss}
-
-
-def summary(times: list[float]) -> tuple[float, float, float]:
-    q = statistics.quantiles(times, n=4)
-    return statistics.median(times), q[0], q[2]
+    return {"blocks": blocks, "losses": losses, "peer": described}
 
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--sp", nargs="+", default=["on", "off"], choices=["on", "off"])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=6, help="rounds: one threefold block, one DTensor block")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per block")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant; their losses are compared")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--kv-heads", type=int, default=4, help="DTensor's colwise split needs kv_heads divisible by tp")
@@ -169,18 +151,32 @@ def main(argv=None) -> list[dict]:
         for sp in args.sp:
             out = run_ranks(bench_worker, tp, tp, sp == "on", shape, args.batch, args.rounds, args.steps,
                             args.warmup, timeout=1800)[0]
-            a, b = summary(out["times"]["threefold"]), summary(out["times"]["dtensor"])
-            rows.append({"tp": tp, "sp": sp, "threefold": a, "dtensor": b, "ratio": a[0] / b[0],
-                         "first_loss": out["first_loss"]})
+            rows.append({"tp": tp, "sp": sp, **out})
     print(f"\nTraining step, {args.preset} preset (kv_heads {args.kv_heads}, seq {args.seq}), batch {args.batch}, "
-          f"CPU/gloo, {args.rounds} rounds x {args.steps} steps, median [IQR] ms\n")
-    print("| tp | sp | threefold ms | DTensor ms | threefold / DTensor | first-step loss per token (threefold, DTensor) |")
+          f"CPU/gloo, {args.rounds} rounds x {args.steps} steps, median [IQR] ms; ratio: median per-round ratio "
+          "[95% bootstrap interval]\n")
+    print("| tp | sp | threefold ms | DTensor ms | threefold / DTensor | loss per token, warm-up steps (threefold; "
+          "DTensor) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        fa, fb = r["first_loss"]["threefold"], r["first_loss"]["dtensor"]
-        print(f"| {r['tp']} | {r['sp']} | {r['threefold'][0] * 1e3:.1f} [{r['threefold'][1] * 1e3:.1f}-"
-              f"{r['threefold'][2] * 1e3:.1f}] | {r['dtensor'][0] * 1e3:.1f} [{r['dtensor'][1] * 1e3:.1f}-"
-              f"{r['dtensor'][2] * 1e3:.1f}] | {r['ratio']:.2f} | {fa:.6f}, {fb:.6f} |")
+        b, la, lb = r["blocks"], r["losses"]["threefold"], r["losses"]["dtensor"]
+        print(f"| {r['tp']} | {r['sp']} | {cell(steps_of(b['threefold']))} | {cell(steps_of(b['dtensor']))} | "
+              f"{show(ratio(b, 'threefold', 'dtensor'))} | {', '.join(f'{x:.6f}' for x in la)}; "
+              f"{', '.join(f'{x:.6f}' for x in lb)} |")
+    worst = max(abs(x - y) for r in rows for x, y in zip(r["losses"]["threefold"], r["losses"]["dtensor"]))
+    print(f"\nLargest warm-up loss difference (same weights and batch): {worst:.1e}. On CPU with the tiny "
+          "model the ratio mostly measures DTensor's per-operator Python dispatch, not tensor-parallel compute "
+          "or communication.\n")
+    print("Contestants:\n")
+    print("- threefold: build_model (its TP layers on the tp group), summed-token loss over vocab-split logits, "
+          "sync_tensor_parallel_grads, global_grad_norm + clip_gradients (one _foreach_mul_), one "
+          "AdamW(foreach=True) with weight decay on matrices only (threefold.train.optim).")
+    for r in rows:
+        print(f"- DTensor tp{r['tp']} sp {r['sp']}: parallelize_module (torchtitan plan), loss_parallel; {r['peer']}.")
+    print(f"- Both: mesh (tp,) of gloo ranks on CPU, the same init and batch, constant lr, clipping at the same "
+          f"global norm; {args.warmup} untimed warm-up steps each (their losses in the table), then "
+          f"{args.rounds} rounds x {args.steps} steps alternating threefold, DTensor; per-round value = median "
+          "of the round's step times on rank 0.")
     return rows
 
 
