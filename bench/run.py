@@ -1,8 +1,8 @@
 """The whole benchmark suite in one command: every side-by-side comparison, then docs/benchmarks.md
 rewritten from scratch with the tables, the machine and the command.
 
-    python bench/run.py                 # full suite (~20 min on 2 cores); rewrites docs/benchmarks.md
-    python bench/run.py --quick         # every section with few steps (< 3 min); prints, writes nothing
+    python bench/run.py                 # full suite (18 min on 2 cores); rewrites docs/benchmarks.md
+    python bench/run.py --quick         # every section with few steps (4 min); prints, writes nothing
     python bench/run.py --only threed_vs_torch dp_vs_ddp [--out FILE]
     python bench/run.py --list
     threefold bench ...                 # the same
@@ -147,7 +147,7 @@ SECTIONS = [
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="few steps per section (under 3 minutes); indicative")
+    ap.add_argument("--quick", action="store_true", help="few steps per section (about 4 minutes on 2 cores); indicative")
     ap.add_argument("--only", nargs="+", metavar="SECTION", help="run only these sections (see --list)")
     ap.add_argument("--out", help="markdown file to write (default: docs/benchmarks.md for a full run)")
     ap.add_argument("--json", help="also write the ratios and the machine description here")
