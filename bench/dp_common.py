@@ -49,11 +49,14 @@ def spawn(fn, world: int, *args, timeout: float = 900.0) -> list:
 
 
 def make_cfg(**overrides):
+    """The data-parallel benches' run, validated: tiny llama, seq 64, 8 sequences per rank and
+    step, constant lr (both sides step at train.lr)."""
     from threefold.config import build_config
+    from threefold.validate import validate
 
     base = {"model.preset": "tiny", "model.seq_len": 64, "train.global_batch": 16, "train.micro_batch": 8,
-            "train.warmup_steps": 5, "train.steps": 1000}
-    return build_config(None, [(k, str(v)) for k, v in {**base, **overrides}.items()])
+            "train.warmup_steps": 0, "train.min_lr_ratio": 1.0, "train.steps": 1000}
+    return validate(build_config(None, [(k, str(v)) for k, v in {**base, **overrides}.items()]))
 
 
 def batches(cfg, dp_rank: int, dp: int, steps: int) -> list:

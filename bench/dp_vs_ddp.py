@@ -20,7 +20,7 @@ backward ended) against the blocking cost of the same collectives.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import copy
 import statistics
 import sys
 from pathlib import Path
@@ -43,30 +43,26 @@ def _grid():
 
 
 def _threefold(cfg, grid, zero: int, bucket_mb: float, overlap: bool = True, memory: dict | None = None):
-    from threefold.distributed.data_parallel import DataParallel, measure_memory
-    from threefold.distributed.parallelize import build_model
+    """threefold's Trainer at ZeRO `zero`; overlap=False reduces the gradients after backward
+    (parallel.grad_reduce after) instead of bucket by bucket during it."""
+    from threefold_side import MemoryAfterFirstStep, stepper, trainer
 
-    t = cfg.train
-    model = build_model(cfg, grid, torch.device("cpu"))
-    engine = DataParallel(model, grid, zero=zero, bucket_mb=bucket_mb, betas=(t.beta1, t.beta2),
-                          weight_decay=t.weight_decay)
-    per_step = t.global_batch * cfg.model.seq_len
+    cfg = copy.deepcopy(cfg)
+    cfg.parallel.zero, cfg.parallel.bucket_mb = zero, bucket_mb
+    cfg.parallel.grad_reduce = "overlap" if overlap else "after"
+    # Once, after the first step (state sizes are fixed from then on), before zero_grad: where
+    # FSDP2 is measured too. With warm-up, neither side pays for it in its timed steps.
+    probe = MemoryAfterFirstStep() if memory is not None else None
+    tf = trainer(cfg, grid, probe)
+    run, grads = stepper(tf), tf.engine.grads
     stamps = []  # (end of backward, reductions done) per step; compared across ranks afterwards
 
     def step(micro):
-        for x, y in micro:
-            # overlap=False: every backward under no_sync, so finish() launches all buckets.
-            with contextlib.nullcontext() if overlap else engine.no_sync():
-                engine.backward(model(x, y) / per_step)
-        engine.finish()
-        stamps.append((engine.grads.t_backward_end, engine.grads.t_done))
-        engine.step(t.lr, engine.grad_norm(), t.grad_clip)
-        # Once, after the first step (state sizes are fixed from then on), before zero_grad:
-        # where FSDP2 is measured too. With warm-up, neither side pays for it in its timed steps.
-        if memory is not None and "bytes" not in memory:
-            memory["bytes"] = measure_memory(engine).measured_total
-        engine.zero_grad()
-    return step, engine, stamps
+        run(micro)
+        stamps.append((grads.t_backward_end, grads.t_done))
+        if probe is not None:
+            memory["bytes"] = probe.report.measured_total
+    return step, tf.engine, stamps
 
 
 def _exposed(stamps: list, skip: int, group) -> list[float]:
@@ -150,7 +146,7 @@ def _fsdp2(cfg, grid):
 def _worker(args) -> dict:
     dist.init_process_group("gloo")
     grid = _grid()
-    cfg = make_cfg(**{"model.layers": args.layers})
+    cfg = make_cfg(**{"model.layers": args.layers, "parallel.dp": dist.get_world_size()})
     data = batches(cfg, grid.dp_rank, grid.dp.size, args.warmup + args.rounds * args.steps)
     barrier = lambda: dist.barrier(group=grid.dp.pg)  # noqa: E731
 
@@ -230,9 +226,10 @@ def main(argv=None) -> dict:
         print(f"| {name} | {o['buckets']} | {o['serial'] * 1e3:.2f} | {statistics.median(o['exposed']) * 1e3:.2f} | "
               f"{show(hidden(o))} |")
     print("\nContestants:\n")
-    print(f"- threefold: DataParallel engine (ZeRO 0/1/2/3, bucket {args.bucket_mb:g} MiB, reductions overlapped "
-          "with backward), engine.grad_norm + clip at 1.0 and the engine's AdamW (torch's foreach arithmetic on "
-          "flat buffers).")
+    print(f"- threefold: its Trainer's train_step, the step `threefold train` runs (ZeRO 0/1/2/3, bucket "
+          f"{args.bucket_mb:g} MiB, reductions overlapped with backward; finalize_grads, the ranks' health "
+          "all-gather, clip at 1.0 and the engine's AdamW: torch's foreach arithmetic on flat buffers; the "
+          "loss and metrics reductions).")
     print(f"- DDP: DistributedDataParallel(bucket_cap_mb={args.bucket_mb:g}, gradient_as_bucket_view=True), "
           "AdamW(foreach=True) with weight decay on matrices only, clip_grad_norm_(foreach=True), "
           "zero_grad(set_to_none=False) so gradients stay bucket views.")

@@ -4,10 +4,10 @@ Both contestants train the same model (threefold's Transformer, tiny preset) in 
 dp*tp*pp gloo processes (8 for the default dp2 x tp2 x pp2), on the same global batch cut into
 the same micro-batches, with the same AdamW hyper-parameters, constant lr and clipping:
 
-  A  threefold: build_stage over build_model (TP-sharded chunks) -> PipelineExecutor.run ->
-     DataParallel (ZeRO `--zero`, default 3) finish -> TP partial-gradient sync -> global
-     gradient norm over dp, tp and pp -> clip + AdamW -> zero_grad: the step of threefold's
-     training loop (threefold/train/loop.py) without its metrics.
+  A  threefold: its Trainer's train_step, the step `threefold train` runs: build_stage over
+     build_model (TP-sharded chunks) -> PipelineExecutor.run -> finalize_grads (DataParallel,
+     ZeRO `--zero`, default 3; TP partial sums; the global norm over dp, tp and pp) -> the
+     ranks' health all-gather -> clip + AdamW -> zero_grad -> the loss and metrics reductions.
   B  torch: for each pipeline rank, the plain (unsharded) chunk with the same layer ids and
      the same layout-invariant initialization, then DTensor tensor parallelism
      (`parallelize_module`: ColwiseParallel wq/wk/wv/w1/w3/head, RowwiseParallel wo/w2 and the
@@ -30,8 +30,8 @@ tokens/s = global batch tokens / step time; the ratio is the median over rounds 
 per-round ratio, with its 95% bootstrap interval (bench/stats.py).
 
 The threefold side also reports the bytes its collectives moved per step next to the analytic
-count for the layout (TP from Group.stats; DP counted at the torch.distributed calls on the dp
-group) and its per-rank model-state memory next to ZeRO's formula.
+count for the layout (the tp and dp groups' stats, which threefold's communication layer keeps
+for every group) and its per-rank model-state memory next to ZeRO's formula.
 
     python bench/threed_vs_torch.py [--dp 2 --tp 2 --pp 2] [--rounds 9] [--steps 1] [--quick]
 """
@@ -60,71 +60,28 @@ def make_cfg(dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dict):
     pairs = [(k, str(v)) for k, v in shape.items()]
     pairs += [("parallel.dp", str(dp)), ("parallel.tp", str(tp)), ("parallel.pp", str(pp)),
               ("parallel.schedule", schedule), ("parallel.zero", str(zero)), ("parallel.sp", "false"),
-              ("log.dir", ""), ("log.quiet", "true")]
+              ("train.warmup_steps", "0"), ("train.min_lr_ratio", "1.0")]  # constant lr, as the torch side
     return validate(build_config(None, pairs), dp * tp * pp)
 
 
-class DpCounter:
-    """Bytes of the torch.distributed collectives issued on one process group (message size:
-    the all-reduced tensor, the all-gather's output, the reduce-scatter's input), counted at
-    the torch.distributed functions the data-parallel engine calls."""
-
-    KINDS = {"all_reduce": 0, "all_gather_single": 0, "all_gather_into_tensor": 0, "reduce_scatter_single": 1,
-             "reduce_scatter_tensor": 1}  # which argument holds the message
-
-    def __init__(self, pg):
-        import torch.distributed as dist
-
-        self.pg, self.bytes, self._dist, self._orig = pg, 0, dist, {}
-        for name, arg in self.KINDS.items():
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                self._orig[name] = fn
-                setattr(dist, name, self._wrap(fn, arg))
-
-    def _wrap(self, fn, arg: int):
-        def counted(*args, **kwargs):
-            if kwargs.get("group") is self.pg:
-                t = args[arg]
-                self.bytes += t.numel() * t.element_size()
-            return fn(*args, **kwargs)
-        return counted
-
-    def close(self) -> None:
-        for name, fn in self._orig.items():
-            setattr(self._dist, name, fn)
-
-
 def threefold_contestant(cfg, grid):
-    import torch
-    from torch import nn
+    """step(micro, n_tokens) -> the summed token loss of the global batch, through threefold's
+    Trainer; and the model-state memory after its first update."""
+    from threefold_side import MemoryAfterFirstStep, stepper, trainer
 
-    from threefold.distributed.data_parallel import DataParallel, MixedPrecision, measure_memory
-    from threefold.distributed.parallelize import build_model
-    from threefold.distributed.pipeline.stage import build_stage
-    from threefold.distributed.tensor_parallel import partial_grad_params
-
-    t, device = cfg.train, torch.device("cpu")
-    chunks, executor = build_stage(cfg, grid, device, partial(build_model, cfg, grid, device))
-    engine = DataParallel(chunks, grid, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb,
-                          precision=MixedPrecision.from_names("fp32", t.grad_reduce_dtype, t.loss_scale),
-                          betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
-    tp_partial = partial_grad_params(nn.ModuleList(chunks))
-    holds_last = any(executor.plan.last)
-    blocks = sum(q.numel() for c in chunks for q in c.layers.parameters())
+    probe = MemoryAfterFirstStep()
+    tf = trainer(cfg, grid, probe)
+    run = stepper(tf)
+    blocks = sum(q.numel() for c in tf.chunks for q in c.layers.parameters())
     memory = {"block_numel": blocks}
 
     def step(micro, n_tokens):
-        loss_sum, _ = executor.run(micro, n_tokens / engine.loss_scale, no_sync=engine.no_sync)
-        engine.finish()
-        engine.all_reduce_grads_of(tp_partial, grid.tp)
-        engine.step(t.lr, engine.grad_norm([grid.pp]), t.grad_clip)
-        if "measured" not in memory:  # after the step, before zero_grad: where the torch side is measured too
-            report = measure_memory(engine)
+        loss = run(micro) * n_tokens
+        if "measured" not in memory:
+            report = probe.report
             memory.update(measured=report.measured_total, predicted=report.predicted_total,
                           formula=report.formula, numel=report.numel)
-        engine.zero_grad()
-        return loss_sum.item() if holds_last else None
+        return loss
 
     return step, memory
 
@@ -179,12 +136,10 @@ def bench_worker(dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dic
     data = [sampler.microbatches(tokens, s, grid.dp_rank, dp, t.micro_batch) for s in range(n_data)]
     n_tokens = t.global_batch * m.seq_len
 
-    counter = DpCounter(grid.dp.pg)
     tf_step, tf_memory = threefold_contestant(cfg, grid)
-    tp0, dp0 = grid.tp.stats.total_bytes, counter.bytes
+    tp0, dp0 = grid.tp.stats.total_bytes, grid.dp.stats.total_bytes
     first_loss = {"threefold": [tf_step(data[0], n_tokens)]}
-    comm = {"tp": grid.tp.stats.total_bytes - tp0, "dp": counter.bytes - dp0}
-    counter.close()
+    comm = {"tp": grid.tp.stats.total_bytes - tp0, "dp": grid.dp.stats.total_bytes - dp0}
     torch_step, torch_memory = torch_contestant(cfg, schedule, mesh, n_tokens // dp)
     steps_of_contestant = {"threefold": tf_step, "torch": torch_step}
     first_loss["torch"] = [torch_step(data[0], n_tokens)]
@@ -206,11 +161,11 @@ def bench_worker(dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dic
 
 
 def global_losses(per_rank: list[dict], n_tokens: int) -> dict[str, list[float]]:
-    """Loss per token of the whole global batch: the last stage's tp-rank-0 sums over dp."""
-    out = {}
-    for name in ("threefold", "torch"):
-        holders = [r for r in per_rank if r["losses"][name][0] is not None and r["coords"][1] == 0]
-        out[name] = [sum(r["losses"][name][k] for r in holders) / n_tokens for k in range(2)]
+    """Loss per token of the whole global batch: threefold's step reduces it (every rank has
+    it); torch's is the sum of the last stage's tp-rank-0 values over dp."""
+    out = {"threefold": [per_rank[0]["losses"]["threefold"][k] / n_tokens for k in range(2)]}
+    holders = [r for r in per_rank if r["losses"]["torch"][0] is not None and r["coords"][1] == 0]
+    out["torch"] = [sum(r["losses"]["torch"][k] for r in holders) / n_tokens for k in range(2)]
     return out
 
 
@@ -257,9 +212,10 @@ def markdown(r: dict) -> str:
               "with reshard_after_forward=False (torchtitan's setting under pipelining: one gather per step) "
               "while threefold's ZeRO 3 gathers each block per micro-batch.", "",
               "Contestants:", "",
-              f"- threefold: build_stage over build_model, PipelineExecutor ({r['schedule']}), DataParallel ZeRO "
-              f"{r['zero']} (bucket {r['bucket_mb']:g} MiB), TP partial-gradient all-reduce, engine.grad_norm over "
-              "dp, tp and pp, clip + the engine's AdamW (torch's foreach arithmetic on flat shards).",
+              f"- threefold: its Trainer's train_step: build_stage over build_model, PipelineExecutor "
+              f"({r['schedule']}), finalize_grads (DataParallel ZeRO {r['zero']}, bucket {r['bucket_mb']:g} MiB; TP "
+              "partial sums; the norm over dp, tp and pp), the ranks' health all-gather, clip + the engine's AdamW "
+              "(torch's foreach arithmetic on flat shards), the loss and metrics reductions.",
               f"- torch: DTensor TP (parallelize_module) inside FSDP2 fully_shard per block and per chunk "
               f"(reshard_after_forward=False) on a (pp {r['pp']}, dp {r['dp']}, tp {r['tp']}) DeviceMesh with dp x tp "
               "flattened (one all-reduce for 2-D norms), "

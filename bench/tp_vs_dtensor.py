@@ -2,8 +2,8 @@
 
 Both contestants train the same Transformer (threefold's, same init, same batch) in the same
 tp gloo processes: forward, summed-token loss with the logits left split over the vocabulary,
-backward, gradient-norm clipping, AdamW. threefold: build_model + its loop's gradient sync,
-norm and clip, AdamW(foreach=True) as `threefold train` runs it. DTensor: parallelize_module
+backward, gradient-norm clipping, AdamW. threefold: its Trainer's train_step, the step
+`threefold train` runs (TP layers, finalize_grads, the engine's clip and AdamW). DTensor: parallelize_module
 with ColwiseParallel / RowwiseParallel / SequenceParallel / PrepareModuleInput (the torchtitan
 plan, sequence dim 0 for our [seq, batch, hidden] activations), loss_parallel, and one
 AdamW(foreach=True) per parameter kind with foreach norm and clipping (bench/torch_peers.py).
@@ -29,33 +29,24 @@ from stats import show  # noqa: E402
 from timing import alternate, cell, ratio, steps_of  # noqa: E402
 
 
-def make_cfg(tp: int, sp: bool, shape: dict):
+def make_cfg(tp: int, sp: bool, shape: dict, batch: int):
+    """The run both sides train: one micro-batch of `batch` sequences per step, constant lr."""
     from threefold.config import build_config
     from threefold.validate import validate
 
-    pairs = [(k, str(v)) for k, v in shape.items()] + [("parallel.tp", str(tp)), ("parallel.sp", str(sp))]
-    cfg = build_config(None, pairs)
-    return validate(cfg, tp)
+    pairs = {**shape, "parallel.tp": tp, "parallel.sp": sp, "train.global_batch": batch, "train.micro_batch": batch,
+             "train.warmup_steps": 0, "train.min_lr_ratio": 1.0}
+    return validate(build_config(None, [(k, str(v)) for k, v in pairs.items()]), tp)
 
 
 def threefold_contestant(cfg, grid):
-    import torch
+    """step(tokens, targets, n_tokens) -> the batch's summed loss, through threefold's Trainer."""
+    from threefold_side import stepper, trainer
 
-    from threefold.distributed.parallelize import build_model
-    from threefold.distributed.tensor_parallel import sync_tensor_parallel_grads
-    from threefold.train.optim import build_optimizer, clip_gradients, global_grad_norm
-
-    model = build_model(cfg, grid, torch.device("cpu"))
-    opt = build_optimizer(model, cfg.train)
+    run = stepper(trainer(cfg, grid))
 
     def step(tokens, targets, n_tokens):
-        loss = model(tokens, targets)
-        (loss / n_tokens).backward()
-        sync_tensor_parallel_grads(model, grid.tp)
-        clip_gradients(model, cfg.train.grad_clip, global_grad_norm(model, []))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return run([(tokens, targets)]) * n_tokens
 
     return step
 
@@ -117,7 +108,7 @@ def bench_worker(tp: int, sp: bool, shape: dict, batch: int, rounds: int, steps:
     from threefold.distributed.runtime import init_distributed, shutdown_distributed
 
     init_distributed(torch.device("cpu"), timeout_s=600)
-    cfg = make_cfg(tp, sp, shape)
+    cfg = make_cfg(tp, sp, shape, batch)
     grid = Grid.build(RankLayout(tp=tp))
     ours = threefold_contestant(cfg, grid)
     peer, described = dtensor_contestant(cfg, sp)
@@ -168,9 +159,10 @@ def main(argv=None) -> list[dict]:
           "model the ratio mostly measures DTensor's per-operator Python dispatch, not tensor-parallel compute "
           "or communication.\n")
     print("Contestants:\n")
-    print("- threefold: build_model (its TP layers on the tp group), summed-token loss over vocab-split logits, "
-          "sync_tensor_parallel_grads, global_grad_norm + clip_gradients (one _foreach_mul_), one "
-          "AdamW(foreach=True) with weight decay on matrices only (threefold.train.optim).")
+    print("- threefold: its Trainer's train_step (tp group of the same ranks, dp 1): TP layers, summed-token loss "
+          "over vocab-split logits, finalize_grads (TP partial sums, the global norm), the ranks' health "
+          "all-gather, clip and the engine's AdamW (torch's foreach arithmetic on flat buffers, weight decay on "
+          "matrices only), the loss and metrics reductions.")
     for r in rows:
         print(f"- DTensor tp{r['tp']} sp {r['sp']}: parallelize_module (torchtitan plan), loss_parallel; {r['peer']}.")
     print(f"- Both: mesh (tp,) of gloo ranks on CPU, the same init and batch, constant lr, clipping at the same "

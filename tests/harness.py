@@ -155,7 +155,7 @@ def train_configs(jobs: list[dict]) -> None:
 
     from threefold.config import Config
     from threefold.distributed.grid import Grid
-    from threefold.train.loop import train
+    from threefold.train.trainer import Trainer
     from threefold.train.worker import layout_of
 
     grids: dict = {}
@@ -164,8 +164,8 @@ def train_configs(jobs: list[dict]) -> None:
         layout = layout_of(cfg)
         if layout not in grids:
             grids[layout] = Grid.build(layout)
-        grids[layout].tp.stats.reset()
-        train(cfg, grids[layout], torch.device("cpu"))
+        grids[layout].reset_stats()
+        Trainer(cfg, grids[layout], torch.device("cpu")).train()
 
 
 def train_jobs(jobs: list[dict]) -> None:

@@ -8,9 +8,10 @@ splitting the world into dp sub-groups that work side by side.
 from __future__ import annotations
 
 import contextlib
-import functools
+import os
 import statistics
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,12 +26,13 @@ from threefold.distributed.data_parallel.state import owned_pieces, refresh_para
 from threefold.distributed.grid import Grid, Group, RankLayout
 from threefold.distributed.parallelize import build_model
 from threefold.errors import ConfigError
-from threefold.model.init import init_weights
-from threefold.model.transformer import Transformer
 from threefold.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at
+from threefold.train.trainer import Trainer
+from threefold.validate import validate
 
 SMALL = {"model.preset": "tiny", "model.layers": 2, "model.seq_len": 64, "train.global_batch": 8,
-         "train.micro_batch": 2, "train.warmup_steps": 5, "train.steps": 20, "train.lr": CALM_LR}
+         "train.micro_batch": 2, "train.warmup_steps": 5, "train.steps": 20, "train.lr": CALM_LR,
+         "parallel.bucket_mb": 1.0}
 STEPS = 20
 CPU = torch.device("cpu")
 
@@ -38,81 +40,52 @@ CPU = torch.device("cpu")
 # --- helpers (module level: spawned ranks import them) --------------------------------------
 
 
-def make_cfg(cache_dir: str, **extra):
-    pairs = [(k, str(v)) for k, v in {**SMALL, **extra, "data.cache_dir": cache_dir}.items()]
-    return build_config(None, pairs)
+def make_cfg(data: str, **extra):
+    """SMALL on the stdlib corpus's token file `data` (see the `data` fixture), validated; logs
+    (rank 0's) next to the data. Set parallel.dp to the data-parallel group it trains on."""
+    pairs = {**SMALL, "data.path": data, "data.vocab": 256, "log.quiet": True,
+             "log.dir": os.path.join(os.path.dirname(data), "logs"), **extra}
+    return validate(build_config(None, [(k, str(v)) for k, v in pairs.items()]))
 
 
 def make_grid(dp_ranks: list[int] | None = None, dp_pg=None) -> Grid:
     """A grid whose only non-trivial group is dp (sub-groups of one spawned world)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    groups = {n: Group(n, [rank], None) for n in ("tp", "pp", "cp", "ep", "edp", "expert_dp", "dp_cp", "mp", "world")}
-    groups["dp"] = Group("dp", dp_ranks, dp_pg) if dp_ranks and len(dp_ranks) > 1 else Group("dp", [rank], None)
-    return Grid(RankLayout(dp=groups["dp"].size), rank, groups)
+    if dp_ranks and len(dp_ranks) > 1:
+        return Grid.alone(rank, dp=Group("dp", dp_ranks, dp_pg))
+    return Grid.alone(rank)
 
 
 def open_data(cfg):
-    tokens = _tokens(cfg.data.path, cfg.data.vocab, cfg.data.dtype, cfg.data.cache_dir)
+    tokens = load_tokens(cfg.data.path, cfg.data.vocab, cfg.data.dtype, cfg.data.cache_dir)
     return tokens, GlobalBatchSampler(len(tokens.tokens), cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed)
 
 
-@functools.lru_cache(maxsize=2)
-def _tokens(path: str, vocab: int, dtype: str, cache_dir: str):
-    return load_tokens(path, vocab, dtype, cache_dir)  # checking the stdlib cache takes ~1 s: once per process
+class _MemoryAfterStep:
+    """A Trainer probe: the engine's memory after the update, before zero_grad."""
+
+    def watch(self, chunks):
+        return contextlib.nullcontext()
+
+    def after_step(self, engine) -> None:
+        self.report = measure_memory(engine)
 
 
-def two_chunks(cfg) -> list[torch.nn.Module]:
-    """The model as two pipeline chunks on one rank (embedding + block 0, block 1 + head)."""
-    chunks = []
-    for ids, first, last in (([0], True, False), ([1], False, True)):
-        with torch.device("meta"):
-            chunk = Transformer(cfg.model, layer_ids=ids, first=first, last=last)
-        chunk.to_empty(device=CPU)
-        init_weights(chunk, cfg.model, cfg.train.seed)
-        chunks.append(chunk)
-    return chunks
-
-
-def train_engine(cfg, grid: Grid, zero: int, steps: int = STEPS, precision=None, bucket_mb: float = 1.0,
-                 snapshot_at: int | None = None, sync_every: bool = False, measure: bool = False,
-                 chunked: bool = False) -> dict:
-    """threefold's loop with the engine: losses per step (+ parameters after `snapshot_at`)."""
-    t = cfg.train
-    if chunked:
-        chunks = two_chunks(cfg)
-        model = lambda x, y: chunks[1](chunks[0](x), y)  # noqa: E731
-    else:
-        model = chunks = build_model(cfg, grid, CPU)
-    engine = DataParallel(chunks, grid, zero=zero, bucket_mb=bucket_mb, precision=precision,
-                          betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
-    tokens, sampler = open_data(cfg)
-    per_step = t.global_batch * cfg.model.seq_len
-    out = {"losses": [], "applied": [], "scales": []}
+def train_engine(cfg, grid: Grid, steps: int = STEPS, snapshot_at: int | None = None, measure: bool = False) -> dict:
+    """threefold's Trainer on `grid`: per step the loss, whether the update was applied and the
+    loss scale it ran with (+ the parameters after `snapshot_at`, the memory after the last update)."""
+    probe = _MemoryAfterStep() if measure else None
+    trainer = Trainer(cfg, grid, CPU, log=lambda *args: None, probe=probe)
+    out = {"losses": [], "applied": [], "scales": [], "engine": trainer.engine}
     for step in range(steps):
-        batches = sampler.microbatches(tokens.tokens, step, grid.dp_rank, grid.dp.size, t.micro_batch)
-        total = torch.zeros((), dtype=torch.float64)  # the loop's reported loss is summed in fp64 too
-        for i, (x, y) in enumerate(batches):
-            with engine.no_sync() if i < len(batches) - 1 and not sync_every else contextlib.nullcontext():
-                loss = model(x, y)
-                engine.backward(loss / per_step)
-            total += loss.detach()
-        engine.finish()
-        if grid.tp.size > 1:  # sequence-parallel norms: partial gradients summed over tp
-            from threefold.distributed.tensor_parallel import partial_grad_params
-
-            engine.all_reduce_grads_of(partial_grad_params(chunks), grid.tp)
-        norm = engine.grad_norm([grid.pp])
-        out["scales"].append(engine.loss_scale)
-        out["applied"].append(engine.step(lr_at(step, t), norm, t.grad_clip))
-        if measure:
-            out["memory"] = measure_memory(engine)  # after the step, before zero_grad
-        engine.zero_grad()
-        if grid.dp.size > 1:
-            dist.all_reduce(total, group=grid.dp.pg)
-        out["losses"].append(total.item() / per_step)
+        out["scales"].append(trainer.engine.loss_scale)
+        result = trainer.train_step(step)
+        out["losses"].append(result.loss)
+        out["applied"].append(result.applied)
         if snapshot_at == step + 1:
-            out["params"] = engine.full_parameters()
-    out["engine"] = engine
+            out["params"] = trainer.engine.full_parameters()
+    if probe is not None:
+        out["memory"] = probe.report
     return out
 
 
@@ -169,8 +142,17 @@ def _max_delta(a: list[float], b: list[float]) -> float:
 
 
 @pytest.fixture(scope="module")
-def reference(cache_dir) -> list[float]:
-    return train_reference(make_cfg(cache_dir))
+def data(tmp_path_factory, cache_dir) -> str:
+    """The stdlib corpus as a token file: every Trainer in every rank maps it (fast) instead of
+    checking the stdlib cache again (about a second each)."""
+    path = tmp_path_factory.mktemp("data") / "stdlib.bin"
+    load_tokens("", 0, "uint16", cache_dir).tokens.astype(np.uint16).tofile(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(data) -> list[float]:
+    return train_reference(make_cfg(data))
 
 
 # --- pure units --------------------------------------------------------------------------------
@@ -235,8 +217,8 @@ def test_adamw_update_is_bit_identical_to_torch():
     assert torch.equal(flat, torch.cat([p.detach().reshape(-1) for p in ref]))
 
 
-def test_invalid_settings_give_one_line(cache_dir):
-    model = build_model(make_cfg(cache_dir), make_grid(), CPU)
+def test_invalid_settings_give_one_line(data):
+    model = build_model(make_cfg(data), make_grid(), CPU)
     for kwargs, key in [(dict(bucket_mb=0), "parallel.bucket_mb"), (dict(bucket_mb=-1.0), "parallel.bucket_mb"),
                         (dict(zero=4), "parallel.zero")]:
         with pytest.raises(ConfigError) as info:
@@ -261,8 +243,8 @@ def test_predicted_memory_matches_the_zero_paper():
     assert mixed[2]["formula"] == "2P + 2P/N + 12P/N"
 
 
-def test_second_synchronized_backward_is_refused_for_zero_0_and_1(cache_dir):
-    cfg = make_cfg(cache_dir)
+def test_second_synchronized_backward_is_refused_for_zero_0_and_1(data):
+    cfg = make_cfg(data)
     model = build_model(cfg, make_grid(), CPU)
     engine = DataParallel(model, make_grid(), zero=0, bucket_mb=1.0)
     tokens, sampler = open_data(cfg)
@@ -272,18 +254,20 @@ def test_second_synchronized_backward_is_refused_for_zero_0_and_1(cache_dir):
         engine.backward(model(x, y))
 
 
-def test_dp1_engine_matches_reference_for_fp32_and_tracks_it_in_bf16_and_fp16(cache_dir, reference):
-    cfg = make_cfg(cache_dir)
+def test_dp1_engine_matches_reference_for_fp32_and_tracks_it_in_bf16_and_fp16(data, reference):
+    cfg = make_cfg(data)
     # ZeRO at dp 1 is allowed and a no-op: every stage runs as stage 0, the same code path.
     model = build_model(cfg, make_grid(), CPU)
     assert [DataParallel(model, make_grid(), zero=z).zero for z in range(4)] == [0, 0, 0, 0]
-    within("dp1 engine fp32 vs reference loss", _max_delta(train_engine(cfg, make_grid(), 3)["losses"], reference),
+    zero3 = make_cfg(data, **{"parallel.zero": 3})
+    within("dp1 engine fp32 vs reference loss", _max_delta(train_engine(zero3, make_grid())["losses"], reference),
            PARITY)
     # Low precision on CPU is slow: 10 steps.
-    bf16 = train_engine(cfg, make_grid(), 0, steps=10, precision=MixedPrecision(torch.bfloat16, torch.float32))
-    assert bf16["engine"].model.layers["0"].attn.wq.weight.dtype == torch.bfloat16
+    bf16 = train_engine(make_cfg(data, **{"train.dtype": "bf16", "train.grad_reduce_dtype": "fp32"}), make_grid(),
+                        steps=10)
+    assert bf16["engine"].chunks[0].layers["0"].attn.wq.weight.dtype == torch.bfloat16
     within("dp1 engine bf16 vs fp32 loss", _max_delta(bf16["losses"], reference[:10]), 2e-2)
-    fp16 = train_engine(cfg, make_grid(), 0, steps=10, precision=MixedPrecision.from_names("fp16"))
+    fp16 = train_engine(make_cfg(data, **{"train.dtype": "fp16"}), make_grid(), steps=10)
     assert all(fp16["applied"])
     within("dp1 engine fp16 vs fp32 loss", _max_delta(fp16["losses"], reference[:10]), 2e-3)
 
@@ -302,39 +286,44 @@ def _flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([params[n].float().reshape(-1) for n in sorted(params)])
 
 
-def _parity_worker(cache_dir: str) -> dict:
+def _parity_worker(data: str) -> dict:
     """Returns losses and parameter differences only: big results through the queue can be
     cut short by a rank's exit."""
     dist.init_process_group("gloo")
-    rank, cfg = dist.get_rank(), make_cfg(cache_dir)
-    no_clip = make_cfg(cache_dir, **{"train.grad_clip": 0})
+    rank = dist.get_rank()
+    dp2 = {z: make_cfg(data, **{"parallel.dp": 2, "parallel.zero": z}) for z in range(4)}
+    no_clip = make_cfg(data, **{"parallel.dp": 2, "train.grad_clip": 0})
+    cfg = dp2[0]
     pair_grid, world_grid = _pairs()
     out: dict = {}
     flat = {}
     if rank < 2:  # dp 2, pair {0,1}: zero 0 and 1, and threefold for the comparison with DDP
         for zero in (0, 1):
-            res = train_engine(cfg, pair_grid, zero, snapshot_at=10 if zero == 0 else None)
+            res = train_engine(dp2[zero], pair_grid, snapshot_at=10 if zero == 0 else None)
             out[(2, zero)] = res["losses"]
             if zero == 0:
                 flat["clip"] = _flat(res["params"])  # after 10 of its 20 steps
-        flat["no_clip"] = _flat(train_engine(no_clip, pair_grid, 0, steps=10, snapshot_at=10)["params"])
-        out["sync_every"] = train_engine(cfg, pair_grid, 2, steps=5, sync_every=True)["losses"]
-        recompute = make_cfg(cache_dir, **{"train.recompute": "full"})  # blocks rerun in backward
-        out["zero3_variant"] = train_engine(recompute, pair_grid, 3, steps=10)["losses"]
+        flat["no_clip"] = _flat(train_engine(no_clip, pair_grid, steps=10, snapshot_at=10)["params"])
+        every = make_cfg(data, **{"parallel.dp": 2, "parallel.zero": 2, "parallel.grad_reduce": "every"})
+        out["sync_every"] = train_engine(every, pair_grid, steps=5)["losses"]
+        recompute = make_cfg(data, **{"parallel.dp": 2, "parallel.zero": 3, "train.recompute": "full"})
+        out["zero3_variant"] = train_engine(recompute, pair_grid, steps=10)["losses"]  # blocks rerun in backward
     else:  # dp 2, pair {2,3}: zero 2 and 3, and torch DDP + AdamW
         for zero in (2, 3):
-            out[(2, zero)] = train_engine(cfg, pair_grid, zero)["losses"]
+            out[(2, zero)] = train_engine(dp2[zero], pair_grid)["losses"]
         flat["clip"] = _flat(train_ddp(cfg, pair_grid, 10))
         flat["no_clip"] = _flat(train_ddp(no_clip, pair_grid, 10))
-        out["sync_every"] = train_engine(cfg, pair_grid, 3, steps=5, sync_every=True)["losses"]
-        out["zero3_variant"] = train_engine(cfg, pair_grid, 3, steps=10, chunked=True)["losses"]  # 2 chunks
+        every = make_cfg(data, **{"parallel.dp": 2, "parallel.zero": 3, "parallel.grad_reduce": "every"})
+        out["sync_every"] = train_engine(every, pair_grid, steps=5)["losses"]
+        after = make_cfg(data, **{"parallel.dp": 2, "parallel.zero": 3, "parallel.grad_reduce": "after"})
+        out["zero3_variant"] = train_engine(after, pair_grid, steps=10)["losses"]  # reduced after backward
     for key, mine in flat.items():  # rank 0 holds threefold's parameters, rank 2 DDP's
         theirs = mine.clone()
         dist.broadcast(theirs, src=2)
         out[f"ddp_delta_{key}"] = (mine - theirs).abs().max().item()
     final = {}
     for zero in range(4):  # dp 4
-        res = train_engine(cfg, world_grid, zero, snapshot_at=STEPS)
+        res = train_engine(make_cfg(data, **{"parallel.dp": 4, "parallel.zero": zero}), world_grid, snapshot_at=STEPS)
         out[(4, zero)] = res["losses"]
         final[zero] = _flat(res["params"])
     out["zero_param_delta"] = max((final[z] - final[0]).abs().max().item() for z in (1, 2, 3))
@@ -343,8 +332,8 @@ def _parity_worker(cache_dir: str) -> dict:
     return out
 
 
-def test_parity_over_dp_and_zero_and_against_torch_ddp(cache_dir, reference):
-    results = run_ranks(_parity_worker, 4, cache_dir, timeout=300)
+def test_parity_over_dp_and_zero_and_against_torch_ddp(data, reference):
+    results = run_ranks(_parity_worker, 4, data, timeout=300)
     deltas = {}
     for res in results:
         for key, losses in res.items():
@@ -357,7 +346,7 @@ def test_parity_over_dp_and_zero_and_against_torch_ddp(cache_dir, reference):
         within(f"engine zero{2 + rank // 2} sync every micro-batch loss",
                _max_delta(results[rank]["sync_every"], reference[:5]), PARITY)
     # ZeRO 3 with full recomputation (rank 0), and over two pipeline chunks on one rank (rank 2).
-    for rank, what in ((0, "full recompute"), (2, "two chunks")):
+    for rank, what in ((0, "full recompute"), (2, "reduced after backward")):
         within(f"engine zero3 {what} loss", _max_delta(results[rank]["zero3_variant"], reference[:10]), PARITY)
     # threefold dp 2 zero 0 vs torch DDP + torch AdamW after 10 steps. Without clipping the
     # gradients and the update arithmetic are the same, bit for bit. With clipping, the norms
@@ -397,38 +386,42 @@ def _pieces_round_trip(engine) -> bool:
     return tiled and loaded and engine.optimizer.step_count == 7
 
 
-def _memory_precision_worker(cache_dir: str) -> dict:
+def _memory_precision_worker(data: str) -> dict:
     dist.init_process_group("gloo")
-    rank, cfg = dist.get_rank(), make_cfg(cache_dir)
+    rank = dist.get_rank()
     pair_grid, world_grid = _pairs()
-    precisions = {"fp32": MixedPrecision(), "bf16": MixedPrecision(torch.bfloat16, torch.bfloat16)}
     out: dict = {"memory": {}}
     # Memory after one step, between steps. N = 2: each pair takes one precision; N = 4: both.
     runs = [(2, pair_grid, "fp32" if rank < 2 else "bf16"), (4, world_grid, "fp32"), (4, world_grid, "bf16")]
     for n, grid, name in runs:
         for zero in range(4):
-            res = train_engine(cfg, grid, zero, steps=1, precision=precisions[name], bucket_mb=0.5, measure=True)
+            cfg = make_cfg(data, **{"parallel.dp": n, "parallel.zero": zero, "train.dtype": name,
+                                    "parallel.bucket_mb": 0.5})
+            res = train_engine(cfg, grid, steps=1, measure=True)
             report = res["memory"]
             out["memory"][(n, name, zero)] = (report.measured, report.predicted, report.ratio())
             if zero > 0 and (n, name) in ((4, "fp32"), (4, "bf16"), (2, "bf16" if rank < 2 else "fp32")):
                 out.setdefault("pieces", []).append(_pieces_round_trip(res["engine"]))
     if rank < 2:  # fp16, ZeRO 2: an overflowing start is skipped, the scale halves, then grows back
-        fp16 = MixedPrecision(torch.float16, loss_scale="dynamic", initial_scale=2.0 ** 20, growth_interval=2)
-        res = train_engine(cfg, pair_grid, 2, steps=9, precision=fp16, snapshot_at=1)
+        cfg = make_cfg(data, **{"parallel.dp": 2, "parallel.zero": 2, "train.dtype": "fp16",
+                                "train.initial_loss_scale": 2.0 ** 20, "train.loss_scale_window": 2})
+        res = train_engine(cfg, pair_grid, steps=9, snapshot_at=1)
         initial = build_model(cfg, make_grid(), CPU)
         before = _flat({n: p.detach().half() for n, p in initial.named_parameters()})
         out["fp16"] = {"applied": res["applied"], "scales": res["scales"], "losses": res["losses"],
                        "unchanged_after_skip": torch.equal(before, _flat(res["params"]))}
     else:  # bf16 parameters, fp32 master and fp32 reduce-scatter, ZeRO 3
-        res = train_engine(cfg, pair_grid, 3, steps=6, precision=MixedPrecision(torch.bfloat16, torch.float32))
+        cfg = make_cfg(data, **{"parallel.dp": 2, "parallel.zero": 3, "train.dtype": "bf16",
+                                "train.grad_reduce_dtype": "fp32"})
+        res = train_engine(cfg, pair_grid, steps=6)
         out["bf16_losses"] = res["losses"]
     dist.barrier()
     dist.destroy_process_group()
     return out
 
 
-def test_memory_matches_zero_formulas_and_mixed_precision(cache_dir, reference):
-    results = run_ranks(_memory_precision_worker, 4, cache_dir, timeout=300)
+def test_memory_matches_zero_formulas_and_mixed_precision(data, reference):
+    results = run_ranks(_memory_precision_worker, 4, data, timeout=300)
     memory = {**results[0]["memory"], **results[2]["memory"]}
     assert len(memory) == 16
     assert all(r["pieces"] for r in results) and all(all(r["pieces"]) for r in results)
@@ -454,11 +447,11 @@ def test_memory_matches_zero_formulas_and_mixed_precision(cache_dir, reference):
     print(f"fp16 applied {fp16['applied']} scales {fp16['scales']}")
 
 
-def _overlap_worker(cache_dir: str) -> dict:
+def _overlap_worker(data: str) -> dict:
     """dp 2, ZeRO 0 and 2, small buckets: are buckets launched inside backward, and how much of
     the reduction is left once the slower rank's backward has ended?"""
     dist.init_process_group("gloo")
-    cfg = make_cfg(cache_dir)
+    cfg = make_cfg(data, **{"parallel.dp": 2})
     grid = make_grid([0, 1], dist.group.WORLD)
     tokens, sampler = open_data(cfg)
     per_step = cfg.train.global_batch * cfg.model.seq_len
@@ -485,10 +478,10 @@ def _overlap_worker(cache_dir: str) -> dict:
     return out
 
 
-def test_bucket_reduction_overlaps_backward(cache_dir):
+def test_bucket_reduction_overlaps_backward(data):
     """Buckets leave during the synchronized backward, none during no_sync ones; prints how
     much communication was left after the slower rank's backward ended."""
-    results = run_ranks(_overlap_worker, 2, cache_dir, timeout=180)
+    results = run_ranks(_overlap_worker, 2, data, timeout=180)
     for zero in (0, 2):
         res = results[0][zero]
         n = res["buckets"]
@@ -522,19 +515,22 @@ class _BusyBackward(torch.autograd.Function):
 
 
 class _SlowBackwardStack(torch.nn.Module):
-    """Six 1 MiB layers whose gradients leave in their own buckets, then two small first layers
-    (the last bucket, which no backward can hide)."""
+    """Six 4 MiB layers whose gradients leave in their own buckets, then two small first layers
+    (the last bucket, which no backward can hide). Buckets this size make the reductions long
+    next to the scheduler's noise of a few milliseconds on shared cores."""
 
     def __init__(self):
         super().__init__()
-        self.first = torch.nn.Linear(512, 8)
-        self.up = torch.nn.Linear(8, 512)
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(6))
+        self.first = torch.nn.Linear(1024, 8)
+        self.up = torch.nn.Linear(8, 1024)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(1024, 1024) for _ in range(6))
 
     def forward(self, x):
-        x = self.up(self.first(x))
+        # Backward computes (sleeps) after every big layer's gradient, the first one's included,
+        # so only the small last bucket's reduction can be left when backward ends.
+        x = _BusyBackward.apply(self.up(self.first(x)), 0.05)
         for layer in self.layers:
-            x = _BusyBackward.apply(layer(x), 0.03)
+            x = _BusyBackward.apply(layer(x), 0.05)
         return x.square().mean()
 
 
@@ -545,16 +541,16 @@ def _hidden_worker() -> dict:
     for zero in (0, 2):
         torch.manual_seed(0)
         model = _SlowBackwardStack()
-        engine = DataParallel(model, grid, zero=zero, bucket_mb=1.0)
-        x = torch.randn(4, 512)
+        engine = DataParallel(model, grid, zero=zero, bucket_mb=4.0)
+        x = torch.randn(4, 1024)
         exposed = []
-        for _ in range(4):
+        for _ in range(6):
             engine.backward(model(x))
             engine.finish()
             exposed.append(engine.exposed_comm_s())
             engine.step(1e-3, engine.grad_norm(), 1.0)
             engine.zero_grad()
-        out[zero] = {"buckets": len(engine.layout.buckets), "serial_s": engine.time_serial_comm(repeats=5),
+        out[zero] = {"buckets": len(engine.layout.buckets), "serial_s": engine.time_serial_comm(repeats=7),
                      "exposed_s": statistics.median(exposed[1:])}
     dist.barrier()
     dist.destroy_process_group()
@@ -574,10 +570,10 @@ def test_reduction_is_hidden_behind_backward(cache_dir):
         assert hidden >= 0.7
 
 
-def test_gradients_from_outside_autograd_are_folded_in(cache_dir):
+def test_gradients_from_outside_autograd_are_folded_in(data):
     """A zero-bubble pipeline's deferred weight gradient goes through accumulate_grad; a .grad
     assigned directly is folded in by finish()."""
-    model = build_model(make_cfg(cache_dir), make_grid(), CPU)
+    model = build_model(make_cfg(data), make_grid(), CPU)
     engine = DataParallel(model, make_grid(), precision=MixedPrecision(torch.bfloat16, torch.float32))
     p, slot = engine.params[0], engine.layout.slots[0]
     engine.accumulate_grad(p, torch.ones_like(p))
@@ -587,21 +583,21 @@ def test_gradients_from_outside_autograd_are_folded_in(cache_dir):
     assert torch.equal(engine.grads.flat[slot.start:slot.start + slot.numel], torch.full((slot.numel,), 3.0))
 
 
-def _tp_worker(cache_dir: str) -> dict:
+def _tp_worker(data: str) -> dict:
     dist.init_process_group("gloo")
     grid = Grid.build(RankLayout(tp=2, dp=2))
-    cfg = make_cfg(cache_dir, **{"parallel.tp": 2, "parallel.dp": 2, "parallel.sp": "true"})
-    out = {zero: train_engine(cfg, grid, zero)["losses"] for zero in (1, 3)}
+    out = {zero: train_engine(make_cfg(data, **{"parallel.tp": 2, "parallel.dp": 2, "parallel.sp": "true",
+                                                "parallel.zero": zero}), grid)["losses"] for zero in (1, 3)}
     dist.barrier()
     dist.destroy_process_group()
     return out
 
 
-def test_composes_with_tensor_and_sequence_parallelism(cache_dir, reference):
+def test_composes_with_tensor_and_sequence_parallelism(data, reference):
     """dp 2 x tp 2 with SP: tensor-parallel shards in the buckets, partial norm gradients
     summed over tp on the owned slices, the clip norm counting every element once."""
     pytest.importorskip("threefold.distributed.tensor_parallel")
-    results = run_ranks(_tp_worker, 4, cache_dir, timeout=300)
+    results = run_ranks(_tp_worker, 4, data, timeout=300)
     for z in (1, 3):
         within(f"engine tp2 sp dp2 zero{z} vs reference loss", max(_max_delta(r[z], reference) for r in results),
                PARITY)

@@ -88,7 +88,9 @@ def test_nonfinite_loss_on_one_rank_poisons_the_norm_and_counts():
 
     from threefold.train.health import StepHealth
 
-    health = StepHealth(SimpleNamespace(size=1), rollback_after=2, straggler_steps=0)
+    from threefold.distributed.comm import Group
+
+    health = StepHealth(Group("world", [0], None), rollback_after=2, straggler_steps=0)
     norm = health.agree(torch.tensor(1.5), torch.tensor(float("inf")), 0.1, scaler_enabled=False)
     assert norm.isnan() and health.record(0, applied=False)["nonfinite_steps"] == 1 and not health.rollback_due
     # A non-finite gradient under loss scaling is an fp16 overflow: skipped, not a divergence.

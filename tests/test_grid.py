@@ -11,7 +11,6 @@ def test_tp_is_innermost_by_default():
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert groups["mp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
 def test_coords_round_trip_for_every_rank():

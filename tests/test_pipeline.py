@@ -159,10 +159,8 @@ def test_invalid_pipeline_settings_are_one_line(pairs, key, tmp_path, cache_dir)
 def _coalesced_batches():
     """NCCL returns ONE request for a whole batch_isend_irecv; gloo one per op. Mimic NCCL on
     gloo: the executor must still wait for every receive before computing on it."""
-    import torch.distributed as dist
-
+    from threefold.distributed import comm
     from threefold.distributed.grid import Grid, RankLayout
-    from threefold.distributed.pipeline import executor as executor_mod
     from threefold.distributed.pipeline.executor import PipelineExecutor, StagePlan
     from threefold.distributed.pipeline.p2p import WireFormat
     from threefold.distributed.pipeline.schedules import build_schedule
@@ -177,20 +175,20 @@ def _coalesced_batches():
             for work in self.works:
                 work.wait()
 
-    real = dist.batch_isend_irecv
+    real = comm.dist.batch_isend_irecv
     init_distributed(torch.device("cpu"), timeout_s=60)
     grid = Grid.build(RankLayout(pp=2))
     r = grid.pp_rank
     results = []
     for coalesce in (False, True):
-        executor_mod.dist.batch_isend_irecv = (lambda ops: [OneRequest(real(ops))]) if coalesce else real
+        comm.dist.batch_isend_irecv = (lambda ops: [OneRequest(real(ops))]) if coalesce else real
         stage = SleepStage(0.002 if r == 0 else 0.0, last=r == 1)  # a slow sender exposes a missing wait
         plan = StagePlan([stage], [r == 0], [r == 1], WireFormat((4, 4), torch.float32, torch.device("cpu")),
                          grid.pp)
         micro = [(torch.full((4, 4), float(i + 1)), torch.zeros(4, 4)) for i in range(4)]
         loss, _ = PipelineExecutor(plan, build_schedule("1f1b", 2, 4)[r]).run(micro, 1.0)
         results.append(loss.item())  # the last stage's loss is computed from received activations
-    executor_mod.dist.batch_isend_irecv = real
+    comm.dist.batch_isend_irecv = real
     shutdown_distributed()
     return results
 

@@ -230,6 +230,9 @@ def microbatch_volume(s, b, h, layers, sp, recompute, e=4) -> dict:
     return total
 
 
+NORM_BYTES = 4  # the global norm sums the TP shards' squares over tp: one fp32 scalar per step
+
+
 def grad_sync_bytes(layers, h, heads, kv_heads, tp, sp) -> int:
     norms = (2 * layers + 1) * h if sp else 0
     shared_kv = 2 * layers * kv_heads * (h // heads) * h if kv_heads < tp else 0
@@ -244,7 +247,9 @@ def test_comm_volume_equals_formula_exactly(spawned):
         assert got["block"] == layer_volume(m.seq_len, b, m.hidden, sp, mode), case
         assert got["microbatch"] == microbatch_volume(m.seq_len, b, m.hidden, m.layers, sp, mode), case
         sync = grad_sync_bytes(m.layers, m.hidden, m.heads, m.kv_heads, case["parallel.tp"], sp)
-        assert got["grad_sync"] == ({"all_reduce": (1, sync)} if sync else {}), case
+        # finalize_grads: the partial sums (one flat all-reduce, when there are any), then the
+        # squared norms of the TP shards (one fp32 scalar).
+        assert got["grad_sync"] == {"all_reduce": (1 + bool(sync), sync + NORM_BYTES)}, case
 
 
 @pytest.mark.parametrize("spawned", [2, 4], indirect=True)
@@ -257,8 +262,8 @@ def test_step_metrics_report_tp_bytes(spawned):
         b = over.get("train.micro_batch", BASE["train.micro_batch"])
         micro = 16 // over.get("parallel.dp", 1) // b
         per_mb = microbatch_volume(m.seq_len, b, m.hidden, m.layers, sp, mode)
-        want = micro * sum(v for _, v in per_mb.values()) + grad_sync_bytes(m.layers, m.hidden, m.heads, m.kv_heads,
-                                                                            tp, sp)
+        sync = grad_sync_bytes(m.layers, m.hidden, m.heads, m.kv_heads, tp, sp)
+        want = micro * sum(v for _, v in per_mb.values()) + sync + NORM_BYTES
         assert {r["tp_comm_bytes"] for r in spawned["metrics"][name]} == {want}, name
 
 

@@ -19,8 +19,10 @@ from threefold.config import Config, build_config
 from threefold.distributed.grid import Grid, Group, RankLayout
 from threefold.distributed.parallelize import build_model
 from threefold.distributed.runtime import init_distributed, shutdown_distributed
+from threefold.distributed.data_parallel import DataParallel
+from threefold.distributed.finalize import finalize_grads
 from threefold.distributed.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                                   sync_tensor_parallel_grads, vocab_parallel_cross_entropy)
+                                                   partial_grad_params, vocab_parallel_cross_entropy)
 from threefold.distributed.tensor_parallel.mappings import gather_from_tensor_region
 from threefold.validate import validate
 
@@ -134,12 +136,24 @@ def _specs(model: nn.Module) -> dict:
     return out
 
 
+def with_engine(model: nn.Module, grid: Grid) -> DataParallel:
+    """The data-parallel engine training would wrap `model` in (dp 1 here): its buckets hold the
+    gradients (param.grad are views of them), so finalize() below is the production path."""
+    return DataParallel(model, grid)
+
+
+def finalize(model: nn.Module, engine: DataParallel, grid: Grid) -> None:
+    """Every reduction after backward, as the trainer runs them (TP partial sums included)."""
+    finalize_grads(engine, grid, partial_grad_params(model), [], [])
+
+
 def check_model(grid: Grid, overrides: dict) -> Diffs:
     """A whole tensor-parallel model against the unsharded one: init, loss, logits, every gradient."""
     cfg = model_config(overrides)
     ref_cfg = model_config({**overrides, "parallel.tp": 1, "parallel.sp": False})
     ref = build_model(ref_cfg, reference_grid(), torch.device("cpu"))
     model = build_model(cfg, grid, torch.device("cpu"))
+    engine = with_engine(model, grid)
     specs, full = _specs(model), dict(ref.named_parameters())
     d = Diffs()
     for name, p in model.named_parameters():
@@ -152,7 +166,7 @@ def check_model(grid: Grid, overrides: dict) -> Diffs:
     d.close("loss per token", loss_l / tokens.numel(), loss_r / tokens.numel(), bound=5e-6)
     (loss_r / tokens.numel()).backward()
     (loss_l / tokens.numel()).backward()
-    sync_tensor_parallel_grads(model, grid.tp)
+    finalize(model, engine, grid)
     for name, p in model.named_parameters():
         want = full[name].grad if name not in specs else shard(full[name].grad, specs[name])
         d.close("grad", p.grad, want, bound=2e-6, label=name)
@@ -166,6 +180,7 @@ def comm_volume(grid: Grid, overrides: dict) -> dict:
     """TP traffic of one block's forward+backward, and of one whole micro-batch (+ grad sync)."""
     cfg = model_config(overrides)
     model = build_model(cfg, grid, torch.device("cpu"))
+    engine = with_engine(model, grid)
     m, stats = cfg.model, grid.tp.stats
     b, s = 2, m.seq_len
     rows = s // grid.tp.size if cfg.parallel.sp else s
@@ -180,7 +195,7 @@ def comm_volume(grid: Grid, overrides: dict) -> dict:
     model(tokens, tokens).backward()
     step = stats.snapshot()
     stats.reset()
-    sync_tensor_parallel_grads(model, grid.tp)
+    finalize(model, engine, grid)
     return {"block": block, "microbatch": step, "grad_sync": stats.snapshot(), "batch": b}
 
 
@@ -190,10 +205,11 @@ def dropout_recompute(grid: Grid, overrides: dict) -> Diffs:
     for mode in ("none", "selective", "full"):
         cfg = model_config({**overrides, "train.recompute": mode})
         model = build_model(cfg, grid, torch.device("cpu"))  # also seeds the dropout generator
+        engine = with_engine(model, grid)
         m = cfg.model
         tokens = torch.randint(0, m.vocab, (2, m.seq_len), generator=torch.Generator().manual_seed(2))
         model(tokens, tokens).backward()
-        sync_tensor_parallel_grads(model, grid.tp)
+        finalize(model, engine, grid)
         grads[mode] = [p.grad.clone() for p in model.parameters()]
     d = Diffs()
     for mode in ("selective", "full"):

@@ -74,6 +74,10 @@ class ParallelConfig:
     devices_per_node: int = knob(0, "Devices per node for placement checks (0 = local world size)")
     allow_tp_across_nodes: bool = knob(False, "Permit a tensor-parallel group to span nodes")
     bucket_mb: float = knob(25.0, "Gradient bucket size in MiB for data-parallel reduction (ZeRO 3 reduces per block)")
+    grad_reduce: str = knob("overlap", "When data-parallel gradients are reduced: overlap = bucket by bucket during the "
+                            "last micro-batch's backward; after = once backward has ended; every = after every "
+                            "micro-batch (ZeRO 2/3: one micro-batch of unreduced gradients alive)",
+                            ("overlap", "after", "every"))
 
 
 @dataclass

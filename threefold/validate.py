@@ -100,6 +100,10 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
     if p.sp:
         _divides("parallel.sp", "model.seq_len", m.seq_len, "parallel.tp", p.tp, "seq_len must split evenly over tp")
     _positive("parallel.bucket_mb", p.bucket_mb)
+    if p.grad_reduce == "every" and p.zero < 2:
+        raise ConfigError("parallel.grad_reduce", "every micro-batch needs ZeRO 2 or 3 (an all-reduce of ZeRO 0/1 "
+                          f"would add each micro-batch's gradients again; parallel.zero is {p.zero})",
+                          "valid: overlap or after, or parallel.zero 2/3")
     if p.dp % p.ep:
         raise ConfigError("parallel.ep", f"ep ({p.ep}) does not divide dp ({p.dp})",
                           "experts are carved out of data-parallel ranks: " + _divisors(p.dp))

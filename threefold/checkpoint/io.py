@@ -13,12 +13,12 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from threefold.checkpoint.manifest import (LATEST, MANIFEST, CheckpointError, Manifest, Shard, TensorEntry,
                                            fsync_dir, list_checkpoints, sha256_of, step_dir_name, verify,
                                            write_atomic)
 from threefold.checkpoint.state import LocalTensor
+from threefold.distributed import comm
 
 
 def snapshot(tensors: list[LocalTensor], copy: bool) -> list[tuple[LocalTensor, torch.Tensor]]:
@@ -34,21 +34,22 @@ def snapshot(tensors: list[LocalTensor], copy: bool) -> list[tuple[LocalTensor, 
 
 def save(root: str | Path, step: int, tensors: list[LocalTensor], config: dict, layout: dict,
          extra: dict | None = None, keep: int = 0) -> Path | None:
-    """Write a checkpoint of `step` (collective over the default group); returns its directory
-    on rank 0."""
+    """Write a checkpoint of `step` (collective over the job's default group); returns its
+    directory on rank 0."""
     return write(root, step, snapshot(tensors, copy=False), config, layout, extra, keep)
 
 
 def write(root: str | Path, step: int, shards: list[tuple[LocalTensor, torch.Tensor]], config: dict,
-          layout: dict, extra: dict | None = None, keep: int = 0, group=None) -> Path | None:
-    """Write, verify and publish a snapshot: collective over `group` (None = the default
+          layout: dict, extra: dict | None = None, keep: int = 0, group: comm.Group | None = None) -> Path | None:
+    """Write, verify and publish a snapshot: collective over `group` (None = the job's default
     group); returns the published directory on rank 0."""
-    root, rank = Path(root), dist.get_rank()
+    group = group or comm.job_group()
+    root, rank = Path(root), comm.global_rank()
     final, tmp = root / step_dir_name(step), root / (step_dir_name(step) + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
         tmp.mkdir(parents=True)
-    dist.barrier(group=group)
+    comm.barrier(group)
     file = f"rank{rank:05d}.pt"
     # A rank may hold several rectangles of one tensor (ZeRO cuts anywhere): key by name and offsets.
     key = {id(t): f"{t.name}@{','.join(map(str, t.offsets))}" for t, _ in shards}
@@ -61,8 +62,7 @@ def write(root: str | Path, step: int, shards: list[tuple[LocalTensor, torch.Ten
     report = {"file": file, "bytes": path.stat().st_size, "sha256": sha256_of(path),
               "tensors": [(t.name, key[id(t)], list(t.global_shape), str(host.dtype).replace("torch.", ""),
                            list(t.offsets), list(t.lengths)) for t, host in shards]}
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report, group=group)
+    reports = comm.all_gather_objects(report, group)
     if rank == 0:
         entries: dict[str, TensorEntry] = {}
         for r in reports:
@@ -78,7 +78,7 @@ def write(root: str | Path, step: int, shards: list[tuple[LocalTensor, torch.Ten
         fsync_dir(root)
         write_atomic(root / LATEST, final.name + "\n")
         _prune(root, keep)
-    dist.barrier(group=group)
+    comm.barrier(group)
     return final if rank == 0 else None
 
 

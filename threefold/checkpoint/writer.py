@@ -11,10 +11,9 @@ from __future__ import annotations
 import threading
 import time
 
-import torch.distributed as dist
-
 from threefold.checkpoint.io import snapshot, write
 from threefold.checkpoint.state import LocalTensor
+from threefold.distributed import comm
 
 
 class Checkpointer:
@@ -25,7 +24,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.group = None
-        if asynchronous and dist.is_initialized() and dist.get_world_size() > 1:
+        if asynchronous and comm.world_size() > 1:
             # The background thread's barrier and gather need a process group of their own.
             # Collectives on one group must be issued in the same order on every rank; the
             # training thread issues its all-reduces on the default group while this thread
@@ -34,7 +33,7 @@ class Checkpointer:
             # A separate gloo group (host tensors, also under NCCL) has its own connections
             # and sequence numbers; saves are issued in the same order everywhere, so its
             # collectives match. new_group is itself collective: created once, up front.
-            self.group = dist.new_group(backend="gloo")
+            self.group = comm.job_group("checkpoint", backend="gloo")
 
     def save(self, step: int, extra: dict) -> float:
         """Save `step`; returns the seconds the caller was blocked (waiting for the previous
@@ -72,5 +71,5 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         if self.group is not None:
-            dist.destroy_process_group(self.group)
+            comm.destroy_group(self.group.pg)
             self.group = None

@@ -1,20 +1,315 @@
-"""Small named collectives used by the training loop; each says which group it talks to."""
+"""Every collective and point-to-point transfer threefold issues, and the process group's start
+and end: the one module that talks to torch.distributed (tests/test_comm.py fails on a direct
+call anywhere else).
+
+Each data-plane function takes the `Group` it talks to (distributed/grid.py) and
+
+- checks that the tensor lives where the group communicates (`group.device`): NCCL takes
+  device tensors only, and gloo silently accepts the CPU tensor NCCL would refuse, so the
+  check runs on every backend and at every group size, a group of one included;
+- records the call and its bytes in `group.stats` (bytes = the whole logical tensor: the
+  all-reduced tensor, the all-gather's output, the reduce-scatter's input, a send's payload;
+  receives are the peers' sends and are not counted again);
+- is timed as `group.span_category` when the group carries a span recorder (threefold.observe);
+- skips the communication on a group of one rank (the call is not counted either).
+
+Asynchronous calls (`async_op=True`) return torch's work handle; `wait()` on it (NCCL: the
+current stream waits; gloo: the host waits).
+"""
 from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from threefold.distributed.grid import Group
+ReduceOp = dist.ReduceOp
+SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
+_UNTIMED = contextlib.nullcontext()
+# torch 2.13 renamed the flat collectives (the old names warn); older versions have only those.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """Collectives this rank issued on one group: calls and bytes per kind ("all_reduce", ...).
+
+    Bytes are the size of the whole logical tensor a collective handles (the all-reduced
+    tensor, the all-gather's output, the reduce-scatter's input): the message size nccl-tests
+    reports. On a ring each rank sends 2(n-1)/n of it for an all-reduce, (n-1)/n otherwise.
+    """
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    def record(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + int(nbytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """{kind: (calls, bytes)}; subtract two snapshots to see what a region of code sent."""
+        return {k: (self.calls[k], self.bytes[k]) for k in self.calls}
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+
+@dataclass
+class Group:
+    """One process group as seen from this rank: its members, our index, the torch handle, where
+    it communicates, and the communication it carried (recorded by the functions below)."""
+
+    name: str
+    ranks: list[int]
+    pg: object | None
+    """torch's process group handle (None for a group of this rank alone, built without one)."""
+    stats: CommStats = field(default_factory=CommStats, compare=False, repr=False)
+    spans: object = field(default=None, compare=False, repr=False)
+    """A span recorder (threefold.observe.spans) that times this group's collectives, or None."""
+    device: torch.device | None = field(default=None, compare=False)
+    """Where tensors must live to enter this group's collectives (None: unchecked)."""
+    span_category: str = field(default="sync", compare=False)
+    """The span category this group's collectives count as (tp_comm, ep_a2a, ...)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(dist.get_rank()) if self.pg is not None else 0
+
+
+def nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def _check(x: torch.Tensor, group: Group, what: str) -> None:
+    if group.device is not None and x.device.type != group.device.type:
+        raise RuntimeError(f"{what} over the {group.name} group: the tensor is on {x.device}, the group "
+                           f"communicates on {group.device.type} (NCCL takes device tensors only)")
+
+
+def _timed(group: Group):
+    return _UNTIMED if group.spans is None else group.spans.span(group.span_category)
+
+
+def _run(group: Group, kind: str, size: int, fn, async_op: bool):
+    """Record, time and issue one collective; a group of one only returns."""
+    if group.size == 1:
+        return None
+    group.stats.record(kind, size)
+    with _timed(group):
+        return fn(async_op)
+
+
+# --- collectives -------------------------------------------------------------------------------
+
+def all_reduce(x: torch.Tensor, group: Group, op=SUM, async_op: bool = False):
+    """All-reduce `x` in place (contiguous). Returns `x`, or the work handle with async_op."""
+    _check(x, group, "all_reduce")
+    work = _run(group, "all_reduce", nbytes(x), lambda a: dist.all_reduce(x, op=op, group=group.pg, async_op=a),
+                async_op)
+    return work if async_op else x
 
 
 def all_reduce_sum(values: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum a small tensor of scalars (loss, token counts) over `group`, in place."""
-    if group.size > 1:
-        dist.all_reduce(values, group=group.pg)
-    return values
+    return all_reduce(values, group)
 
 
 def all_reduce_max(values: torch.Tensor, group: Group) -> torch.Tensor:
+    """The element-wise maximum over `group`, in place."""
+    return all_reduce(values, group, op=MAX)
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool = False):
+    """out (group.size x x's elements, contiguous) <- every rank's `x` in rank order."""
+    _check(x, group, "all_gather")
+    if group.size == 1:
+        out.copy_(x.reshape(out.shape))
+        return None
+    return _run(group, "all_gather", nbytes(out), lambda a: _all_gather_flat(out, x, group=group.pg, async_op=a),
+                async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool = False):
+    """out (1/size of x) <- this rank's slice of the sum of every rank's `x`."""
+    _check(x, group, "reduce_scatter")
+    if group.size == 1:
+        out.copy_(x.reshape(out.shape))
+        return None
+    return _run(group, "reduce_scatter", nbytes(x),
+                lambda a: _reduce_scatter_flat(out, x, op=SUM, group=group.pg, async_op=a), async_op)
+
+
+def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's `x` concatenated along dimension 0."""
+    x = x.contiguous()
+    if group.size == 1:
+        _check(x, group, "all_gather")
+        return x
+    out = torch.empty((x.shape[0] * group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_into(out, x, group)
+    return out
+
+
+def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """The sum of `x` over the group, this rank's 1/size slice of dimension 0."""
+    x = x.contiguous()
+    if group.size == 1:
+        _check(x, group, "reduce_scatter")
+        return x
+    if x.shape[0] % group.size:
+        raise ValueError(f"reduce-scatter: dimension 0 ({x.shape[0]}) is not divisible by {group.size}")
+    out = torch.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out, x, group)
+    return out
+
+
+def all_to_all(out: torch.Tensor, x: torch.Tensor, group: Group, out_splits: list[int] | None = None,
+               in_splits: list[int] | None = None) -> torch.Tensor:
+    """Rows of `x` to every rank (in_splits[j] rows to rank j, even splits when None); rank i's
+    rows for us land in `out` (out_splits[i] rows)."""
+    _check(x, group, "all_to_all")
+    if group.size == 1:
+        return out.copy_(x)
+    _run(group, "all_to_all", nbytes(x),
+         lambda a: dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                          group=group.pg, async_op=a), False)
+    return out
+
+
+def barrier(group: Group) -> None:
     if group.size > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group.pg)
-    return values
+        dist.barrier(group=group.pg)
+
+
+# --- point to point ----------------------------------------------------------------------------
+
+def batch_send_recv(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list:
+    """Post ("send" | "recv", tensor, peer index in the group) operations together; returns the
+    work handles (gloo: one per operation; NCCL: one for the whole batch)."""
+    p2p = []
+    for kind, tensor, peer in ops:
+        _check(tensor, group, kind)
+        if kind == "send":
+            group.stats.record("send", nbytes(tensor))
+        p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, group.ranks[peer], group=group.pg))
+    return dist.batch_isend_irecv(p2p) if p2p else []
+
+
+def send(x: torch.Tensor, group: Group, peer: int) -> None:
+    """Blocking send to the group's rank `peer` (an index in the group)."""
+    _check(x, group, "send")
+    group.stats.record("send", nbytes(x))
+    dist.send(x, dst=group.ranks[peer], group=group.pg)
+
+
+def recv(x: torch.Tensor, group: Group, peer: int) -> torch.Tensor:
+    """Blocking receive into `x` from the group's rank `peer`."""
+    _check(x, group, "recv")
+    dist.recv(x, src=group.ranks[peer], group=group.pg)
+    return x
+
+
+# --- Python objects (rare: reports, checkpoint manifests) --------------------------------------
+
+def all_gather_objects(obj, group: Group) -> list:
+    """Every rank's picklable `obj`, in the group's rank order."""
+    if group.size == 1:
+        return [obj]
+    out = [None] * group.size
+    group.stats.record("all_gather_object", 0)
+    dist.all_gather_object(out, obj, group=group.pg)
+    return out
+
+
+def gather_objects(obj, group: Group) -> list | None:
+    """Every rank's `obj` on the group's first rank (a list there, None elsewhere)."""
+    if group.size == 1:
+        return [obj]
+    first = group.rank == 0
+    out = [None] * group.size if first else None
+    group.stats.record("gather_object", 0)
+    dist.gather_object(obj, out, dst=group.ranks[0], group=group.pg)
+    return out
+
+
+# --- the job's process group: start, groups, end -----------------------------------------------
+
+def is_initialized() -> bool:
+    return dist.is_initialized()
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def world_handle():
+    """torch's handle of the whole job's group."""
+    return dist.group.WORLD
+
+
+def new_group(ranks: list[int], timeout: timedelta | None = None, backend: str | None = None):
+    """A process group over `ranks` (collective over the whole job: every rank calls it)."""
+    return dist.new_group(ranks, timeout=timeout, backend=backend)
+
+
+def job_group(name: str = "world", backend: str | None = None) -> Group:
+    """The whole job as a Group: its default process group, or (with `backend`) a new one of
+    that backend over every rank (e.g. "gloo" for host-side traffic beside NCCL; collective)."""
+    ranks = list(range(world_size()))
+    if not is_initialized():
+        return Group(name, ranks, None)
+    pg = new_group(ranks, backend=backend) if backend else world_handle()
+    return Group(name, ranks, pg, device=torch.device("cpu") if backend == "gloo" else None)
+
+
+def destroy_group(handle) -> None:
+    dist.destroy_process_group(handle)
+
+
+def join(backend: str, device: torch.device, timeout: timedelta, restart_count: int, launched: bool) -> None:
+    """Join the job's process group. Under the elastic agent the group lives on a store
+    prefixed by the restart count: restarted workers would otherwise read the dead attempt's
+    stale gloo keys and fail to connect. Alone (not launched), a one-rank group on a local store."""
+    if launched:
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        store = dist.PrefixStore(f"threefold/attempt_{restart_count}", store)
+    else:
+        store, rank, world = dist.HashStore(), 0, 1
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+
+
+def leave() -> None:
+    """Barrier, then destroy: ranks leave together, so no peer sees a closed connection mid-collective."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def join_local(rank: int = 0, world: int = 1) -> None:
+    """A gloo group on an in-memory store, for one process (tests, tools)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=rank, world_size=world)

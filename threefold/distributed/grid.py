@@ -15,11 +15,13 @@ group state anywhere in threefold.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
-import torch.distributed as dist
+import torch
 
+from threefold.distributed import comm
+from threefold.distributed.comm import CommStats, Group  # noqa: F401 - the grid's groups are comm's
 from threefold.errors import ConfigError
 
 ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
@@ -95,8 +97,6 @@ class RankLayout:
             # Replicas of one expert shard: experts are whole on every TP rank (which split
             # the tokens), so their gradients are summed over tp and edp in one collective.
             "expert_dp": self.groups(("tp", "cp", "dp")),
-            "dp_cp": self.groups(("cp", "ep", "dp")),
-            "mp": self.groups(("tp", "pp")),
             # First and last pipeline stage of each pipeline: they share tied embeddings.
             "embed": sorted(sorted({g[0], g[-1]}) for g in self.groups(("pp",))),
         }
@@ -113,54 +113,8 @@ class RankLayout:
                     "or set parallel.allow_tp_across_nodes true")
 
 
-@dataclass
-class CommStats:
-    """Collectives this rank issued on one group: calls and bytes per kind ("all_reduce", ...).
-
-    Bytes are the size of the whole logical tensor a collective handles (the all-reduced
-    tensor, the all-gather's output, the reduce-scatter's input): the message size nccl-tests
-    reports. On a ring each rank sends 2(n-1)/n of it for an all-reduce, (n-1)/n otherwise.
-    """
-
-    calls: dict[str, int] = field(default_factory=dict)
-    bytes: dict[str, int] = field(default_factory=dict)
-
-    def record(self, kind: str, nbytes: int) -> None:
-        self.calls[kind] = self.calls.get(kind, 0) + 1
-        self.bytes[kind] = self.bytes.get(kind, 0) + int(nbytes)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-    def snapshot(self) -> dict[str, tuple[int, int]]:
-        """{kind: (calls, bytes)}; subtract two snapshots to see what a region of code sent."""
-        return {k: (self.calls[k], self.bytes[k]) for k in self.calls}
-
-    def reset(self) -> None:
-        self.calls.clear()
-        self.bytes.clear()
-
-
-@dataclass
-class Group:
-    """One process group as seen from this rank: its members, our index, the torch handle, and
-    the communication it carried (recorded by the collectives that take the group)."""
-
-    name: str
-    ranks: list[int]
-    pg: dist.ProcessGroup | None
-    stats: CommStats = field(default_factory=CommStats, compare=False, repr=False)
-    spans: object = field(default=None, compare=False, repr=False)
-    """A span recorder (threefold.observe.spans) that times this group's collectives, or None."""
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def rank(self) -> int:
-        return self.ranks.index(dist.get_rank()) if self.pg is not None else 0
+# The span category a group's collectives are timed as (when log.spans attaches a recorder).
+SPAN_CATEGORY = {"tp": "tp_comm", "ep": "ep_a2a"}
 
 
 class Grid:
@@ -173,28 +127,51 @@ class Grid:
         self.ep_rank, self.edp_rank = c["ep"], c["edp"]
         self._groups = groups
         self.tp, self.pp, self.dp, self.cp = groups["tp"], groups["pp"], groups["dp"], groups["cp"]
-        self.ep, self.edp, self.dp_cp, self.mp = groups["ep"], groups["edp"], groups["dp_cp"], groups["mp"]
+        self.ep, self.edp = groups["ep"], groups["edp"]
         self.expert_dp = groups["expert_dp"]
         self.embed = groups.get("embed")  # None on ranks between the first and last stage
         self.world = groups["world"]
 
     @classmethod
-    def build(cls, layout: RankLayout, timeout: timedelta | None = None) -> "Grid":
+    def alone(cls, rank: int = 0, **groups: Group) -> "Grid":
+        """A grid in which this rank is alone in every group (no process groups), but for the
+        `groups` given: a model or engine built by one process, or on a sub-group of a job."""
+        names = ["world", *RankLayout().group_lists()]
+        every = {n: Group(n, [rank], None) for n in names}
+        every.update(groups)
+        layout = RankLayout(dp=every["dp"].size, tp=every["tp"].size)
+        return cls(layout, rank, every)
+
+    @classmethod
+    def build(cls, layout: RankLayout, timeout: timedelta | None = None,
+              device: torch.device | str = "cpu") -> "Grid":
         """Create every group (all ranks must call this, in the same order). `timeout` bounds
         each collective on the sub-groups (torch would give them its own default, not the
-        world group's): a hung peer becomes an error instead of a wait of half an hour."""
-        rank, world = dist.get_rank(), dist.get_world_size()
+        world group's): a hung peer becomes an error instead of a wait of half an hour.
+        `device`: where the groups communicate (the run's device)."""
+        rank, world = comm.global_rank(), comm.world_size()
+        device = torch.device(device)
         if layout.world_size != world:
             raise ConfigError("parallel", f"dp*tp*pp*cp = {layout.world_size} but the world has {world} processes",
                               "make the product of degrees equal the number of processes")
-        groups: dict[str, Group] = {"world": Group("world", list(range(world)), dist.group.WORLD)}
+        groups: dict[str, Group] = {"world": Group("world", list(range(world)), comm.world_handle(), device=device)}
         for name, lists in layout.group_lists().items():
             for ranks in lists:
                 # new_group is collective over the whole world: every rank creates every group.
-                pg = dist.new_group(ranks, timeout=timeout) if len(ranks) < world else dist.group.WORLD
+                pg = comm.new_group(ranks, timeout=timeout) if len(ranks) < world else comm.world_handle()
                 if rank in ranks:
-                    groups[name] = Group(name, ranks, pg)
+                    groups[name] = Group(name, ranks, pg, device=device, span_category=SPAN_CATEGORY.get(name, "sync"))
         return cls(layout, rank, groups)
+
+    @property
+    def groups(self) -> dict[str, Group]:
+        """Every group this rank belongs to, by name."""
+        return dict(self._groups)
+
+    def reset_stats(self) -> None:
+        """Forget the communication recorded so far on every group."""
+        for group in self._groups.values():
+            group.stats.reset()
 
     @property
     def is_first_stage(self) -> bool:

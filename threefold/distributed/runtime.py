@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
+
+from threefold.distributed import comm
 
 
 @dataclass(frozen=True)
@@ -46,22 +47,11 @@ def init_distributed(device: torch.device, timeout_s: float) -> WorkerEnv:
     workers would otherwise read the dead attempt's stale gloo keys and fail to connect.
     """
     env = WorkerEnv.from_environ()
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=timeout_s)
-    if under_launcher():
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        store = dist.PrefixStore(f"threefold/attempt_{env.restart_count}", store)
-    else:
-        store, rank, world = dist.HashStore(), 0, 1
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    comm.join("nccl" if device.type == "cuda" else "gloo", device, timedelta(seconds=timeout_s),
+              env.restart_count, under_launcher())
     return env
 
 
 def shutdown_distributed() -> None:
-    """Barrier, then destroy: ranks leave together, so no peer sees a closed connection mid-collective."""
-    if dist.is_initialized():
-        try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+    """Leave the job's group together with the other ranks (comm.leave)."""
+    comm.leave()

@@ -66,7 +66,7 @@ def eval_worker(cfg_dict: dict, checkpoint: str) -> dict:
     cfg = Config.from_dict(cfg_dict)
     try:
         device = join_group(cfg, WorkerEnv.from_environ())
-        grid = Grid.build(layout_of(cfg))
+        grid = Grid.build(layout_of(cfg), device=device)
         directory, manifest, _ = checkpoint_model_config(checkpoint)
         chunks = build_chunks(cfg, grid, device)
         load_model(chunks, cfg, directory, manifest)

@@ -7,9 +7,9 @@ holds no activations for backward, so the schedule's bubble-hiding does not pay 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from threefold.distributed import comm
 from threefold.distributed.grid import Grid
 
 
@@ -30,13 +30,13 @@ def pipeline_forward(chunks: list[nn.Module], grid: Grid, inputs: torch.Tensor, 
         chunk = chunks[s // p]
         if s > 0 and p > 1:
             x = torch.empty((seq, inputs.shape[0], hidden), dtype=dtype, device=device)
-            dist.recv(x, src=grid.pp.ranks[(s - 1) % p], group=grid.pp.pg)
+            comm.recv(x, grid.pp, (s - 1) % p)
         last = s == stages - 1
         y = chunk(x, targets.to(device) if last and targets is not None else None)
         if last:
             out = y
         elif p > 1:
-            dist.send(y.contiguous(), dst=grid.pp.ranks[(s + 1) % p], group=grid.pp.pg)
+            comm.send(y.contiguous(), grid.pp, (s + 1) % p)
         else:
             x = y
     return out
@@ -46,6 +46,4 @@ def gather_vocab(logits: torch.Tensor, grid: Grid) -> torch.Tensor:
     """Whole-vocabulary logits from tensor-parallel shards (tests and sampling; the loss never needs it)."""
     if grid.tp.size == 1:
         return logits
-    parts = [torch.empty_like(logits) for _ in range(grid.tp.size)]
-    dist.all_gather(parts, logits.contiguous(), group=grid.tp.pg)
-    return torch.cat(parts, dim=-1)
+    return comm.all_gather_dim0(logits.unsqueeze(0), grid.tp).movedim(0, -2).flatten(-2)

@@ -3,16 +3,17 @@
     observer = StepObserver(cfg.log, grid, device, is_logger)
     observer.attach(chunks, engine)             # recompute reruns, TP collectives, ZeRO-3 gathers get timed
     observer.begin_step(step)
-    observer.phase("data_wait"); ...            # time from here counts as data_wait
+    with observer.phase("data_wait"): ...       # the block's time counts as data_wait
     executor.run(..., spans=observer.recorder)  # F/B/W and pipeline p2p
     fields = observer.end_step(engine)          # -> merged into the metrics.jsonl line
 
 With log.spans false the recorder is None, span() hands out one shared null context and
 end_step() returns {} without any communication: off costs nothing.
 
-On: one all-gather over the world per step carries every rank's category seconds and bytes per
-group; the logging rank writes their mean and max into metrics.jsonl (`time_s`, `comm_bytes`)
-and every rank's detail into spans.jsonl. On the steps in log.trace_steps the ranks' spans go
+On: one all-gather over the world per step carries every rank's category seconds, and the bytes
+and calls of every group it belongs to; the logging rank writes their mean and max into
+metrics.jsonl (`time_s`, `comm_bytes`, `comm_calls`) and every rank's detail into spans.jsonl.
+The observer's own gathers fall between two steps and are counted in neither. On the steps in log.trace_steps the ranks' spans go
 to the logging rank (one gather of Python objects) and into trace.json, and the blocking cost
 of the step's data-parallel collectives is measured by replaying them (`dp_comm_serial_s`),
 outside the timed step.
@@ -24,16 +25,31 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+from threefold.distributed import comm
 
 from threefold.observe.spans import CATEGORIES, SpanRecorder
 from threefold.observe.trace import TraceFile
 
-GROUPS = ("tp", "pp", "dp", "ep", "edp", "embed")
-"""Groups whose bytes are reported (the logical tensor size of each collective or send)."""
+GROUPS = ("tp", "pp", "dp", "ep", "edp", "expert_dp", "embed", "world")
+"""Groups whose bytes (the logical tensor size of each collective or send) and calls are reported."""
 
 _UNTIMED = contextlib.nullcontext()
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Phase:
+    __slots__ = ("recorder", "category")
+
+    def __init__(self, recorder: SpanRecorder, category: str):
+        self.recorder, self.category = recorder, category
+
+    def __enter__(self):
+        self.recorder.phase(self.category)
+        return self
+
+    def __exit__(self, *exc):
+        self.recorder.phase("other")
+        return False
 
 
 def parse_trace_steps(text: str) -> set[int]:
@@ -56,7 +72,7 @@ class StepObserver:
         self.trace_steps = parse_trace_steps(log_cfg.trace_steps) if self.recorder else set()
         self.log_dir = Path(log_cfg.dir)
         self._groups = [getattr(grid, name, None) for name in GROUPS]
-        self._bytes0 = [0] * len(GROUPS)
+        self._counts0 = [0] * (2 * len(GROUPS))
         self._step = 0
         self._detail = None
         self._trace = None
@@ -80,17 +96,17 @@ class StepObserver:
     def span(self, category: str, label=None):
         return _UNTIMED if self.recorder is None else self.recorder.span(category, label)
 
-    def phase(self, category: str) -> None:
-        """Count the step's time from here on as `category` (see SpanRecorder.phase)."""
-        if self.recorder is not None:
-            self.recorder.phase(category)
+    def phase(self, category: str):
+        """A block of the step whose time counts as `category` (exclusive of the spans inside
+        it). Phases follow one another at the top of the step; they do not nest."""
+        return _UNTIMED if self.recorder is None else _Phase(self.recorder, category)
 
     def begin_step(self, step: int) -> None:
         """`step` counts from 0; log.trace_steps counts as metrics.jsonl does, from 1."""
         if self.recorder is None:
             return
         self._step = step + 1
-        self._bytes0 = [g.stats.total_bytes if g is not None else 0 for g in self._groups]
+        self._counts0 = self._counts()
         self.recorder.begin_step(trace=self._step in self.trace_steps)
 
     def end_step(self, engine=None) -> dict:
@@ -101,33 +117,27 @@ class StepObserver:
         timeline = self.recorder.end_step()
         tracing = self._step in self.trace_steps
         serial = engine.time_serial_comm(repeats=1) if tracing and engine is not None else 0.0
-        nbytes = [(g.stats.total_bytes if g is not None else 0) - b0 for g, b0 in zip(self._groups, self._bytes0)]
-        mine = torch.tensor([timeline.wall_s, serial, *(timeline.seconds[c] for c in CATEGORIES), *nbytes],
+        counts = [now - then for now, then in zip(self._counts(), self._counts0)]  # bytes..., calls...
+        mine = torch.tensor([timeline.wall_s, serial, *(timeline.seconds[c] for c in CATEGORIES), *counts],
                             dtype=torch.float64, device=self.device)
-        world = self.grid.world
-        if world.size > 1:
-            rows = torch.empty(world.size * mine.numel(), dtype=mine.dtype, device=self.device)
-            _all_gather_flat(rows, mine, group=world.pg)
-            rows = rows.view(world.size, -1).cpu()
-        else:
-            rows = mine.view(1, -1).cpu()
+        rows = comm.all_gather_dim0(mine.view(1, -1), self.grid.world).cpu()
         per_rank = self._gather_events(timeline.events) if tracing else None
         if not self.is_logger:
             return {}
         return self._write(rows, per_rank)
 
+    def _counts(self) -> list[int]:
+        """Bytes, then calls, recorded so far on each of GROUPS (0 for a group this rank lacks)."""
+        stats = [g.stats if g is not None else None for g in self._groups]
+        return [s.total_bytes if s else 0 for s in stats] + [s.total_calls if s else 0 for s in stats]
+
     def _gather_events(self, events: list) -> list | None:
-        world = self.grid.world
-        if world.size == 1:
-            return [events]
-        out = [None] * world.size if self.is_logger else None
-        dist.gather_object(events, out, dst=world.ranks[0], group=world.pg)
-        return out
+        return comm.gather_objects(events, self.grid.world)
 
     def _write(self, rows: torch.Tensor, per_rank: list | None) -> dict:
-        n = len(CATEGORIES)
+        n, g = len(CATEGORIES), len(GROUPS)
         wall, serial = rows[:, 0], rows[:, 1]
-        seconds, nbytes = rows[:, 2:2 + n], rows[:, 2 + n:]
+        seconds, nbytes, calls = rows[:, 2:2 + n], rows[:, 2 + n:2 + n + g], rows[:, 2 + n + g:]
         if self._detail is None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._detail = open(self.log_dir / "spans.jsonl", "a", encoding="utf-8")
@@ -136,7 +146,8 @@ class StepObserver:
             ranks.append({"rank": r, **{k: v for k, v in self._coords[r].items() if k in ("tp", "pp", "dp", "ep")},
                           "wall_s": float(wall[r]),
                           "time_s": {c: float(seconds[r, i]) for i, c in enumerate(CATEGORIES)},
-                          "comm_bytes": {g: int(nbytes[r, i]) for i, g in enumerate(GROUPS)}})
+                          "comm_bytes": {g: int(nbytes[r, i]) for i, g in enumerate(GROUPS)},
+                          "comm_calls": {g: int(calls[r, i]) for i, g in enumerate(GROUPS)}})
         self._detail.write(json.dumps({"step": self._step, "ranks": ranks}) + "\n")
         self._detail.flush()
         if per_rank is not None:
@@ -148,6 +159,7 @@ class StepObserver:
             "time_s": {"mean": {c: float(seconds[:, i].mean()) for i, c in enumerate(CATEGORIES)},
                        "max": {c: float(seconds[:, i].max()) for i, c in enumerate(CATEGORIES)}},
             "comm_bytes": {g: float(nbytes[:, i].mean()) for i, g in enumerate(GROUPS)},
+            "comm_calls": {g: float(calls[:, i].mean()) for i, g in enumerate(GROUPS)},
         }
         if per_rank is not None:
             fields["dp_comm_serial_s"] = float(serial.max())

@@ -15,7 +15,7 @@ def _prepare_once(cfg: Config) -> None:
     import torch
 
     from threefold.observe import device_peak_flops
-    from threefold.train.loop import open_data, resolve_dtype
+    from threefold.train.trainer import open_data, resolve_dtype
 
     open_data(cfg)
     device = torch.device("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")

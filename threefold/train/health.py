@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
+
+from threefold.distributed import comm
 
 STRAGGLER_RATIO = 1.5
 
@@ -54,12 +55,7 @@ class StepHealth:
         # On the gradient's device: the world group is NCCL on CUDA.
         mine = torch.tensor([compute_s, float(bad_loss or (bad_grad and not scaler_enabled)), float(bad_grad)],
                             device=grad_norm.device)
-        if self.world.size > 1:
-            rows = [torch.empty_like(mine) for _ in range(self.world.size)]
-            dist.all_gather(rows, mine, group=self.world.pg)
-            table = torch.stack(rows).cpu()
-        else:
-            table = mine.view(1, 3).cpu()
+        table = comm.all_gather_dim0(mine.view(1, 3), self.world).cpu()
         self._stragglers(table[:, 0])
         diverged = bool(table[:, 1].any())
         self.nonfinite += diverged

@@ -19,9 +19,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from threefold.distributed import comm
 from threefold.distributed.data_parallel.memory import CATEGORIES, measure_memory
 from threefold.distributed.pipeline.schedules import build_schedule
 from threefold.observe.activations import LiveActivationMeter, layer_activation_elements
@@ -98,7 +98,5 @@ class MemoryProbe:
                "measured": {**self.state["measured"], "activations": self.activations},
                "predicted": {**self.state["predicted"],
                              "activations": predicted_activation_bytes(cfg, grid, chunks, size)}}
-        rows = [None] * dist.get_world_size() if dist.is_initialized() else [row]
-        if dist.is_initialized():
-            dist.all_gather_object(rows, row)
+        rows = comm.all_gather_objects(row, grid.world)
         return rows if grid.global_rank == 0 else None

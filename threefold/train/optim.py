@@ -4,8 +4,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from threefold.distributed import comm
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -61,11 +62,9 @@ def global_grad_norm(model: nn.Module, groups: list, exclude: tuple = ()) -> tor
                 entry[1] = entry[1] + sq / spec.replicas
     total = replicated
     for group, sq in per_group.values():
-        dist.all_reduce(sq, group=group.pg)
-        total = total + sq
+        total = total + comm.all_reduce(sq, group)
     for group in groups:
-        if group.size > 1:
-            dist.all_reduce(total, group=group.pg)
+        comm.all_reduce(total, group)
     return total.sqrt()
 
 

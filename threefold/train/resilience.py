@@ -4,7 +4,7 @@
     guard.step_begins(step)                        # injected kill / hang / NaN
     compute_s = guard.compute_time(step, pipe)     # injected slowness; straggler input
     norm = guard.agree(norm, loss_sum, compute_s, engine)   # one all_gather: skip NaN globally
-    guard.end_step(step, record)                   # counters, checkpoint, goodput
+    guard.end_step(step, record, span)             # counters, checkpoint (timed by span), goodput
     guard.check_rollback(step, metrics)            # K non-finite steps in a row: roll back
     guard.close()
 
@@ -12,6 +12,7 @@ See faults.py, health.py, checkpoint/writer.py and observe/goodput.py.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 
@@ -30,15 +31,20 @@ def continues_run(start_step: int) -> bool:
 
 
 class RunGuard:
-    def __init__(self, cfg, grid, chunks: list, state: list, start_step: int, log=print, scaler=None):
-        """`scaler`: the engine's loss scaler, whose state each checkpoint carries (fp16)."""
+    def __init__(self, cfg, grid, chunks: list, state: list, start_step: int, log=print, scaler=None,
+                 faults: FaultInjector | None = None):
+        """`scaler`: the engine's loss scaler, whose state each checkpoint carries (fp16).
+        `faults`: the injector of an earlier attempt in this process (a rollback), already
+        installed on `chunks`; None builds and installs one."""
         t, c = cfg.train, cfg.checkpoint
         self.scaler = scaler
         self.cfg, self.rank, self.log = cfg, grid.global_rank, log
         is_logger = grid.global_rank == 0
         self.segment = uuid.uuid4().hex[:8]
-        self.faults = FaultInjector.from_config(cfg, grid.global_rank, WorkerEnv.from_environ().restart_count)
-        self.faults.install(chunks)
+        if faults is None:
+            faults = FaultInjector.from_config(cfg, grid.global_rank, WorkerEnv.from_environ().restart_count)
+            faults.install(chunks)
+        self.faults = faults
         self.health = StepHealth(grid.world, t.nan_rollback_after, t.straggler_steps,
                                  log if is_logger else (lambda *_: None),
                                  stage_of=[grid.layout.coords(r)["pp"] for r in range(grid.world.size)])
@@ -62,21 +68,19 @@ class RunGuard:
     def agree(self, grad_norm: torch.Tensor, loss_sum: torch.Tensor, compute_s: float, engine) -> torch.Tensor:
         return self.health.agree(grad_norm, loss_sum, compute_s, engine.scaler.enabled)
 
-    def end_step(self, step: int, record: dict, before_save=None) -> None:
+    def end_step(self, step: int, record: dict, span=None) -> None:
         """Add health counters, save a checkpoint when one is due (its blocking time) and the
-        goodput fields to this step's metrics record. `before_save()` runs just before a save
-        (the span recorder starts counting checkpoint time)."""
+        goodput fields to this step's metrics record. `span("checkpoint")` times the save."""
         record.update(self.health.record(step, not record["step_skipped"]))
         record["segment"] = self.segment
         c, t = self.cfg.checkpoint, self.cfg.train
         record["ckpt_block_s"] = 0.0
         if self.ckpt is not None and ((c.interval and (step + 1) % c.interval == 0) or step + 1 == t.steps):
-            if before_save is not None:
-                before_save()
             extra = {"optimizer_step": step + 1}
             if self.scaler is not None:
                 extra["loss_scaler"] = self.scaler.state_dict()
-            record["ckpt_block_s"] = self.ckpt.save(step + 1, extra)
+            with span("checkpoint") if span is not None else contextlib.nullcontext():
+                record["ckpt_block_s"] = self.ckpt.save(step + 1, extra)
             self.goodput.write()
         record.update(self.goodput.update(record))
 

@@ -7,50 +7,14 @@ from __future__ import annotations
 
 import sys
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 
 from threefold.config import Config
 from threefold.distributed.grid import Grid, RankLayout
 from threefold.distributed.runtime import WorkerEnv, init_distributed, resolve_device, shutdown_distributed
-from threefold.checkpoint import list_checkpoints
 from threefold.errors import UserError
-from threefold.train.health import NonFiniteRollback
-from threefold.train.loop import train
-
-
-class DivergedError(UserError):
-    """Non-finite losses or gradients that rolling back does not cure."""
-
-
-def resume_after_restart(cfg: Config, restart_count: int) -> None:
-    """A worker restarted by the elastic agent continues from the newest checkpoint in
-    checkpoint.dir (a corrupted one is skipped), if there is one yet."""
-    c = cfg.checkpoint
-    if restart_count > 0 and c.dir and list_checkpoints(Path(c.dir)):
-        c.resume = "auto"
-
-
-def train_rolling_back(cfg: Config, grid: Grid, device: torch.device, probe=None):
-    """train(), reloading the last checkpoint when it reports K non-finite steps in a row.
-    Every rank takes the same decision (health.py), so every rank rolls back together. A
-    divergence that comes back no later than last time (e.g. a bad batch) is an error."""
-    last_failure = None
-    while True:
-        try:
-            return train(cfg, grid, device, probe=probe)
-        except NonFiniteRollback as err:
-            if not cfg.checkpoint.dir or not list_checkpoints(Path(cfg.checkpoint.dir)):
-                raise DivergedError(f"train: {err} and there is no checkpoint to roll back to "
-                                    "(set checkpoint.dir and checkpoint.interval, or lower train.lr)") from None
-            if last_failure is not None and err.step <= last_failure:
-                raise DivergedError(f"train: {err}, again after rolling back (lower train.lr or check the data "
-                                    f"around step {err.step + 1})") from None
-            last_failure = err.step
-            if grid.global_rank == 0:
-                print(f"threefold: {err}: rolling back to the last checkpoint", file=sys.stderr, flush=True)
-            cfg.checkpoint.resume = "auto"
+from threefold.train.trainer import Trainer
 
 
 def layout_of(cfg: Config) -> RankLayout:
@@ -77,14 +41,13 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False):
         layout = layout_of(cfg)
         layout.check_placement(cfg.parallel.devices_per_node or env.local_world_size,
                                cfg.parallel.allow_tp_across_nodes)
-        resume_after_restart(cfg, env.restart_count)
-        grid = Grid.build(layout, timeout=timedelta(seconds=cfg.train.timeout_s))
+        grid = Grid.build(layout, timeout=timedelta(seconds=cfg.train.timeout_s), device=device)
         probe = None
         if measure_memory:
             from threefold.train.memory_probe import MemoryProbe
 
             probe = MemoryProbe()
-        result = train_rolling_back(cfg, grid, device, probe)
+        result = Trainer(cfg, grid, device, probe=probe, restarted=env.restart_count > 0).train()
         shutdown_distributed()
         return result
     except UserError as err:

@@ -30,10 +30,71 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
+from threefold.distributed import comm
+from threefold.distributed.comm import Group
 from threefold.distributed.data_parallel.layout import Layout
-from threefold.distributed.grid import Group
+
+
+class Bucket:
+    """One bucket: its unreduced gradient, the parameters heard from since it last completed,
+    and its reduction, started once (`start`) and completed once (`finish`) per reduction."""
+
+    def __init__(self, owner: "GradBuckets", index: int):
+        self.owner, self.index = owner, index
+        self.spec = owner.layout.buckets[index]
+        self.full: torch.Tensor | None = None  # ZeRO 2/3: the unreduced gradient of this step
+        self.arrived: set[int] = set()
+        self.launched = False  # ZeRO 0/1: at most one all-reduce per step (a SUM must not repeat)
+        self.work = None  # the reduction in flight (None: none; a group of one has no handle)
+        self.out: torch.Tensor | None = None  # ZeRO 2/3: where the reduce-scatter lands
+        self.in_flight = False
+
+    def view(self) -> torch.Tensor:
+        """The whole (unreduced, or all-reduced) gradient of the bucket."""
+        o, b = self.owner, self.spec
+        if not o.sharded:
+            return o.flat[b.start:b.start + b.numel]
+        if self.full is None:
+            self.full = torch.zeros(b.numel, dtype=o.grad_dtype, device=o.device)
+        return self.full
+
+    @property
+    def complete(self) -> bool:
+        """Every parameter of the bucket has been heard from since it last completed."""
+        return len(self.arrived) == len(self.spec.slots)
+
+    @property
+    def pending(self) -> bool:
+        """Gradients that have not been handed to a reduction yet."""
+        return not self.in_flight and (self.full is not None if self.owner.sharded else not self.launched)
+
+    def start(self) -> None:
+        """Launch the bucket's reduction asynchronously: all-reduce (ZeRO 0/1) or reduce-scatter
+        into this rank's slice (ZeRO 2/3)."""
+        o = self.owner
+        if not o.sharded and self.launched:
+            raise RuntimeError("data parallel: a second synchronized backward in one step would sum the "
+                               "gradients twice (zero 0/1): run all but the last micro-batch under no_sync()")
+        self.launched = self.in_flight = True
+        full = self.view()
+        if not o.sharded:
+            self.work = comm.all_reduce(full, o.group, async_op=True)
+        else:
+            self.out = torch.empty(self.spec.shard_numel, dtype=o.grad_dtype, device=o.device)
+            self.work = comm.reduce_scatter_into(self.out, full, o.group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for the reduction; ZeRO 2/3 add the received slice to the shard and drop the
+        unreduced gradient (ZeRO 2's memory saving)."""
+        if self.work is not None:
+            self.work.wait()
+        o = self.owner
+        if o.sharded:
+            b = self.spec
+            o.shard_buffer()[b.shard_offset:b.shard_offset + b.shard_numel].add_(self.out)
+            self.full = self.out = None
+        self.work, self.in_flight = None, False
 
 
 class GradBuckets:
@@ -43,16 +104,12 @@ class GradBuckets:
         self.grad_dtype, self.device = grad_dtype, device
         self.shard_rank = group.rank if layout.shards > 1 else 0
         self.sharded = zero >= 2
-        n = len(layout.buckets)
         # ZeRO 0/1 keep the full gradient; ZeRO 2/3 keep only the owned slice between steps.
         self.flat = None if self.sharded else torch.zeros(layout.numel, dtype=grad_dtype, device=device)
-        self.shard = None  # ZeRO 2/3: allocated by the first reduce-scatter of a step, dropped by zero_grad
-        self.full: list[torch.Tensor | None] = [None] * n  # ZeRO 2/3: unreduced bucket, this step
+        self.shard = None  # ZeRO 2/3: the owned slices, allocated by the first reduce-scatter
+        self.buckets = [Bucket(self, b) for b in range(len(layout.buckets))]
         self.as_views = grads_as_views and not self.sharded
         self.sync = True
-        self.arrived: list[set[int]] = [set() for _ in range(n)]  # heard from since the bucket last completed
-        self.launched = [False] * n  # ZeRO 0/1: at most one all-reduce per step (SUM must not repeat)
-        self.works: list[tuple | None] = [None] * n
         self.on_bucket_backward_done: list = []  # callbacks(bucket index), e.g. ZeRO-3 resharding
         self._exposed = 0.0
         self.t_backward_end = self.t_done = 0.0
@@ -72,25 +129,25 @@ class GradBuckets:
 
     def bucket_view(self, b: int) -> torch.Tensor:
         """The full (unreduced or all-reduced) gradient of bucket `b`."""
-        bucket = self.layout.buckets[b]
-        if not self.sharded:
-            return self.flat[bucket.start:bucket.start + bucket.numel]
-        if self.full[b] is None:
-            self.full[b] = torch.zeros(bucket.numel, dtype=self.grad_dtype, device=self.device)
-        return self.full[b]
+        return self.buckets[b].view()
+
+    @property
+    def full(self) -> list[torch.Tensor | None]:
+        """ZeRO 2/3: each bucket's unreduced gradient while it exists (memory accounting)."""
+        return [b.full for b in self.buckets]
+
+    def shard_buffer(self) -> torch.Tensor:
+        """ZeRO 2/3: this rank's reduced slices, allocated (zero) when the step first needs them."""
+        if self.shard is None:
+            self.shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
+        return self.shard
 
     def owned(self) -> list[torch.Tensor]:
         """Per bucket, the reduced gradient slice this rank's optimizer updates."""
-        out = []
-        if self.sharded and self.shard is None:  # no backward since zero_grad: zero gradient
-            self.shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
-        for b in self.layout.buckets:
-            if self.sharded:
-                out.append(self.shard[b.shard_offset:b.shard_offset + b.shard_numel])
-            else:
-                lo, hi = b.shard_range(self.shard_rank)
-                out.append(self.flat[lo:hi])
-        return out
+        if self.sharded:  # no backward since zero_grad: a zero gradient
+            shard = self.shard_buffer()
+            return [shard[b.shard_offset:b.shard_offset + b.shard_numel] for b in self.layout.buckets]
+        return [self.flat[slice(*b.shard_range(self.shard_rank))] for b in self.layout.buckets]
 
     # --- backward ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -120,62 +177,32 @@ class GradBuckets:
         calls this; so can code producing weight gradients outside autograd (a zero-bubble
         pipeline's deferred W)."""
         s = self.layout.slots[i]
-        b = s.bucket
+        bucket = self.buckets[s.bucket]
         if self.as_views:
-            if self.launched[b]:
+            if bucket.launched:
                 raise RuntimeError(f"data parallel: a gradient for parameter {i} arrived after its bucket was "
                                    "all-reduced (zero 0/1): produce it before the last backward ends")
             self._views[i].add_(grad)
         else:
-            if self.works[b] is not None:  # ZeRO 2/3 reducing every micro-batch
-                self._complete(b)
-            start = s.start - self.layout.buckets[b].start
-            self.bucket_view(b)[start:start + s.numel].add_(grad.reshape(-1))
+            if bucket.in_flight:  # ZeRO 2/3 reducing every micro-batch
+                bucket.finish()
+            start = s.start - bucket.spec.start
+            bucket.view()[start:start + s.numel].add_(grad.reshape(-1))
         self._arrived(i)
 
     def _arrived(self, i: int) -> None:
         # A bucket completes once every parameter in it has been heard from since it last
         # completed: a parameter that gets no gradient holds its bucket back (finish() then
         # reduces it) instead of letting it complete early.
-        b = self.layout.slots[i].bucket
-        self.arrived[b].add(i)
-        if len(self.arrived[b]) == len(self.layout.buckets[b].slots):
-            self.arrived[b].clear()
+        bucket = self.buckets[self.layout.slots[i].bucket]
+        bucket.arrived.add(i)
+        if bucket.complete:
+            bucket.arrived.clear()
             for callback in self.on_bucket_backward_done:
-                callback(b)
+                callback(bucket.index)
             if self.sync:
-                self._launch(b)
+                bucket.start()
                 self.launched_in_backward += 1
-
-    def _launch(self, b: int) -> None:
-        if not self.sharded and self.launched[b]:
-            raise RuntimeError("data parallel: a second synchronized backward in one step would sum the "
-                               "gradients twice (zero 0/1): run all but the last micro-batch under no_sync()")
-        self.launched[b] = True
-        full, pg = self.bucket_view(b), self.group.pg
-        if self.group.size == 1:
-            self.works[b] = (None, None)
-        elif not self.sharded:
-            self.group.stats.record("all_reduce", full.numel() * full.element_size())
-            self.works[b] = (dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pg, async_op=True), None)
-        else:
-            out = torch.empty(self.layout.buckets[b].shard_numel, dtype=self.grad_dtype, device=self.device)
-            self.group.stats.record("reduce_scatter", full.numel() * full.element_size())
-            self.works[b] = (dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=pg, async_op=True), out)
-
-    def _complete(self, b: int) -> None:
-        work, out = self.works[b]
-        if work is not None:
-            work.wait()
-        if self.sharded:
-            bucket = self.layout.buckets[b]
-            if out is None:  # dp of 1: the whole bucket is the owned slice
-                out = self.full[b]
-            if self.shard is None:
-                self.shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
-            self.shard[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel].add_(out)
-            self.full[b] = None  # free the unsharded gradient (ZeRO-2's memory saving)
-        self.works[b] = None
 
     def finish(self) -> None:
         """Called once backward has ended: reduce what has not been launched yet (buckets
@@ -188,23 +215,23 @@ class GradBuckets:
                 if p.grad is not None:
                     grad, p.grad = p.grad, None
                     self.accumulate(i, grad)
-        for arrived in self.arrived:
-            arrived.clear()
+        for bucket in self.buckets:
+            bucket.arrived.clear()
         if self.device.type == "cuda":  # wait() only stalls the stream: time the stall with events
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-        for b in range(len(self.layout.buckets)):
-            pending = self.full[b] is not None if self.sharded else not self.launched[b]
-            if pending and self.works[b] is None:
-                self._launch(b)
-        for b in range(len(self.layout.buckets)):
-            if self.works[b] is not None:
-                self._complete(b)
+        for bucket in self.buckets:
+            if bucket.pending:
+                bucket.start()
+        for bucket in self.buckets:
+            if bucket.in_flight:
+                bucket.finish()
         if events is not None:
             events[1].record()
         self.t_done = time.perf_counter()
         self._exposed = events or self.t_done - t0
-        self.launched = [False] * len(self.launched)
+        for bucket in self.buckets:
+            bucket.launched = False
 
     @property
     def exposed_s(self) -> float:
@@ -215,11 +242,13 @@ class GradBuckets:
         return self._exposed
 
     def zero_grad(self) -> None:
-        """ZeRO 0/1 zero the buffer in place (param.grad views stay valid); ZeRO 2/3 drop the
-        gradient shard until the next backward needs it, as set_to_none does."""
+        """Zero the gradients in place: ZeRO 0/1's buffer (param.grad views stay valid), ZeRO
+        2/3's owned slices (2P/N bytes that ZeRO's formulas count as resident; keeping them
+        saves allocating and zeroing them inside the next step's finish())."""
         if self.flat is not None:
             self.flat.zero_()
-        self.shard = None
+        if self.shard is not None:
+            self.shard.zero_()
         self.launched_in_backward = 0
 
     # --- measurement --------------------------------------------------------------------------
@@ -228,20 +257,24 @@ class GradBuckets:
         buffers of the same sizes: the cost that overlap has to hide. Collective over dp."""
         if self.group.size == 1:
             return 0.0
-        pg, times = self.group.pg, []
+        times = []
         scratch = [torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device) for b in self.layout.buckets]
         outs = [torch.empty(b.shard_numel, dtype=self.grad_dtype, device=self.device) for b in self.layout.buckets]
-        for _ in range(repeats):
-            dist.barrier(group=pg)
-            t0 = time.perf_counter()
-            for full, out in zip(scratch, outs):
-                if self.sharded:
-                    dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=pg)
-                else:
-                    dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pg)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            times.append(time.perf_counter() - t0)
+        stats, self.group.stats = self.group.stats, comm.CommStats()  # a measurement, not the step's traffic
+        try:
+            for _ in range(repeats):
+                comm.barrier(self.group)
+                t0 = time.perf_counter()
+                for full, out in zip(scratch, outs):
+                    if self.sharded:
+                        comm.reduce_scatter_into(out, full, self.group)
+                    else:
+                        comm.all_reduce(full, self.group)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                times.append(time.perf_counter() - t0)
+        finally:
+            self.group.stats = stats
         return statistics.median(times)
 
     def exposed_after_slowest(self) -> float:
@@ -252,7 +285,7 @@ class GradBuckets:
             return self.t_done - self.t_backward_end
         ends = torch.zeros(self.group.size, dtype=torch.float64, device=self.device)
         mine = torch.tensor([self.t_backward_end], dtype=torch.float64, device=self.device)
-        dist.all_gather_single(ends, mine, group=self.group.pg)
+        comm.all_gather_into(ends, mine, self.group)
         return max(0.0, self.t_done - float(ends.max()))
 
     def remove_hooks(self) -> None:

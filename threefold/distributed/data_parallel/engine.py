@@ -19,8 +19,9 @@ import math
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from threefold.distributed import comm
 
 from threefold.distributed.data_parallel.buckets import GradBuckets
 from threefold.distributed.data_parallel.layout import Segment, build_layout
@@ -138,9 +139,7 @@ class DataParallel:
         views = [held[s.bucket][s.lo:s.hi] for s in self._held_segments(lambda sl: index[sl.index]) if s.key]
         if not views:
             return
-        flat = torch.cat(views)
-        group.stats.record("all_reduce", flat.numel() * flat.element_size())
-        dist.all_reduce(flat, group=group.pg)
+        flat = comm.all_reduce(torch.cat(views), group)
         torch._foreach_copy_(views, list(flat.split([v.numel() for v in views])))
 
     # --- norm, step -------------------------------------------------------------------------
@@ -188,14 +187,11 @@ class DataParallel:
         per_group = {k: sq[[i for i, k2 in enumerate(keys) if k2 == k]].sum() for k in set(keys) if k is not None}
         total = replicated
         for (name, replicas), sq in sorted(per_group.items(), key=lambda kv: kv[0]):
-            sq = sq / replicas
-            dist.all_reduce(sq, group=self._tp_groups[name].pg)
-            total = total + sq
-        if self.zero >= 2 and self.group.size > 1:  # the owned slices partition the gradient
-            dist.all_reduce(total, group=self.group.pg)
+            total = total + comm.all_reduce(sq / replicas, self._tp_groups[name])
+        if self.zero >= 2:  # the owned slices partition the gradient
+            comm.all_reduce(total, self.group)
         for group in groups:
-            if group.size > 1:
-                dist.all_reduce(total, group=group.pg)
+            comm.all_reduce(total, group)
         return total
 
     def step(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> bool:

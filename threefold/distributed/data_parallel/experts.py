@@ -15,8 +15,9 @@ import contextlib
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from threefold.distributed import comm
 
 from threefold.distributed.data_parallel.engine import DataParallel
 from threefold.model.moe import expert_parameters
@@ -71,8 +72,7 @@ class ExpertDataParallel:
         summed over `groups` once (pipeline stages may have no experts at all)."""
         total = self.dense.grad_sq([], exclude) + self.experts.grad_sq([])
         for group in groups:
-            if group.size > 1:
-                dist.all_reduce(total, group=group.pg)
+            comm.all_reduce(total, group)
         return total.sqrt() / self.scaler.scale
 
     def step(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> bool:

@@ -19,11 +19,11 @@ import contextlib
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from threefold.distributed import comm
+from threefold.distributed.comm import Group
 from threefold.distributed.data_parallel.layout import Layout
-from threefold.distributed.grid import Group
 
 READY = "ready"  # unit state: None = freed, READY = gathered, otherwise an in-flight Work
 
@@ -90,8 +90,7 @@ class ShardedParams:
         full, bucket = self.full[b], self.layout.buckets[b]
         full.untyped_storage().resize_(bucket.numel * full.element_size())
         shard = self.shard[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]
-        self.group.stats.record("all_gather", bucket.numel * full.element_size())
-        self.state[b] = dist.all_gather_single(full, shard, group=self.group.pg, async_op=True)
+        self.state[b] = comm.all_gather_into(full, shard, self.group, async_op=True) or READY
 
     def prefetch(self, b: int | None) -> None:
         """Launch bucket `b`'s all-gather without waiting (None: nothing to prefetch)."""
@@ -106,7 +105,8 @@ class ShardedParams:
         with contextlib.nullcontext() if self.spans is None else self.spans.span("dp_exposed", "zero-3 gather"):
             if self.state[b] is None:
                 self._launch(b)
-            self.state[b].wait()
+            if self.state[b] is not READY:
+                self.state[b].wait()
         self.state[b] = READY
         self.gather_wait_s += time.perf_counter() - t0
 

@@ -14,11 +14,11 @@ copy); otherwise a separate fp32 master is kept and copied down after each updat
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from threefold.distributed import comm
+from threefold.distributed.comm import Group
 from threefold.distributed.data_parallel.adamw import adamw_update
 from threefold.distributed.data_parallel.layout import Layout
-from threefold.distributed.grid import Group
 
 
 class ZeroAdamW:
@@ -66,9 +66,7 @@ class ZeroAdamW:
         in place (each input is this rank's slice of the output)."""
         if self.group.size == 1:
             return
-        for full in param_bucket:
-            self.group.stats.record("all_gather", full.numel() * full.element_size())
-        works = [dist.all_gather_single(full, owned, group=self.group.pg, async_op=True)
+        works = [comm.all_gather_into(full, owned, self.group, async_op=True)
                  for full, owned in zip(param_bucket, self.param_owned)]
         for work in works:
             work.wait()

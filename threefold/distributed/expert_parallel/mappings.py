@@ -4,26 +4,16 @@ the same exchange with the split sizes swapped. Splits are uneven (routing decid
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.distributed as dist
 
-from threefold.distributed.grid import Group
-
-
-def _timed(group: Group):
-    """An ep_a2a span on the group's recorder when one is attached (threefold.observe)."""
-    return contextlib.nullcontext() if group.spans is None else group.spans.span("ep_a2a")
+from threefold.distributed import comm
+from threefold.distributed.comm import Group
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    group.stats.record("all_to_all", x.numel() * x.element_size())
-    with _timed(group):
-        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group.pg)
-    return out
+    return comm.all_to_all(out, x, group, out_splits=recv, in_splits=send)  # timed as ep_a2a
 
 
 class _AllToAll(torch.autograd.Function):
@@ -46,8 +36,4 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Group) 
 def exchange_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
     """counts [ranks, k]: row j is what we send to rank j -> [ranks, k]: row i is what rank i
     sends us. One small all-to-all that tells every rank the split sizes of the big one."""
-    out = torch.empty_like(counts)
-    group.stats.record("all_to_all", counts.numel() * counts.element_size())
-    with _timed(group):
-        dist.all_to_all_single(out, counts.contiguous(), group=group.pg)
-    return out
+    return comm.all_to_all(torch.empty_like(counts), counts.contiguous(), group)

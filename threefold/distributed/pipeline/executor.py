@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from threefold.distributed.grid import Group
+from threefold.distributed import comm
+from threefold.distributed.comm import Group
 from threefold.distributed.pipeline.p2p import WireFormat
 from threefold.distributed.pipeline.schedules import Action, group_batches
 from threefold.distributed.pipeline.weight_grad import WeightGradStore
@@ -119,7 +119,7 @@ class PipelineExecutor:
         stats.wall_s = time.perf_counter() - start
         if spans is not None and plan.group.size > 1:  # after wall_s: PipelineStats stay as without spans
             with span("pp_bubble", "pipeline flush"):
-                dist.all_reduce(torch.zeros(1, device=device), group=plan.group.pg)
+                comm.all_reduce(torch.zeros(1, device=device), plan.group)
         if inputs or outputs or grads_from_next or grads_to_prev or (self.store and self.store.pending):
             raise RuntimeError("pipeline schedule left work unfinished: a schedule bug")
         return loss_sum, stats
@@ -172,7 +172,7 @@ class PipelineExecutor:
         """Post one batch of sends and receives; returns (requests, [(kind, key, buffer)])."""
         plan, ops, received = self.plan, [], []
         for a in batch:
-            key, peer = (a.microbatch, a.chunk), plan.group.ranks[a.peer]
+            key = (a.microbatch, a.chunk)
             if a.kind == "SEND_F":
                 tensor = outputs[key].detach().contiguous()
             elif a.kind == "SEND_B":
@@ -181,10 +181,6 @@ class PipelineExecutor:
                 tensor = plan.wire.empty()
                 received.append((a.kind, key, tensor))
             if a.kind.startswith("SEND"):
-                nbytes = tensor.numel() * tensor.element_size()
-                stats.sent_bytes += nbytes
-                plan.group.stats.record("send", nbytes)
-                ops.append(dist.P2POp(dist.isend, tensor, peer, group=plan.group.pg))
-            else:
-                ops.append(dist.P2POp(dist.irecv, tensor, peer, group=plan.group.pg))
-        return dist.batch_isend_irecv(ops), received
+                stats.sent_bytes += comm.nbytes(tensor)
+            ops.append(("send" if a.kind.startswith("SEND") else "recv", tensor, a.peer))
+        return comm.batch_send_recv(ops, plan.group), received

@@ -21,13 +21,12 @@ from __future__ import annotations
 from functools import partial
 
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from threefold.distributed.grid import Grid, Group
 from threefold.distributed.tensor_parallel.layers import (ColumnParallelLinear, HeadSliceLinear, RowParallelLinear,
                                                            VocabParallelEmbedding, enter_tensor_region,
                                                            vocab_parallel_cross_entropy)
-from threefold.distributed.tensor_parallel.mappings import (all_gather_dim0, all_reduce_, gather_to_replicated,
+from threefold.distributed.tensor_parallel.mappings import (all_gather_dim0, gather_to_replicated,
                                                              scatter_to_sequence_region)
 from threefold.model.moe import MoE
 
@@ -151,14 +150,3 @@ def partial_grad_params(model: nn.Module) -> list[nn.Parameter]:
             if p is not None and p.requires_grad:
                 out.append(p)
     return out
-
-
-def sync_tensor_parallel_grads(model: nn.Module, group: Group) -> None:
-    """Sum the partial gradients of replicated parameters over the TP group (one flat all-reduce),
-    after backward and before clipping; then every rank holds the same full gradient."""
-    grads = [p.grad for p in partial_grad_params(model) if p.grad is not None]
-    if group.size == 1 or not grads:
-        return
-    flat = all_reduce_(_flatten_dense_tensors(grads), group)
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)

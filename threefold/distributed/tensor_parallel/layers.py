@@ -4,16 +4,15 @@ Each module holds only this rank's shard and declares it in `shard_specs` (with 
 so init_weights draws exactly that slice of the full tensor and the global gradient norm
 counts every logical element once. Parameters that every rank holds but whose gradient is a
 per-rank partial sum (norm weights under SP, replicated GQA kv projections, row-parallel
-biases under SP) are listed in `tp_sum_grads`; apply.sync_tensor_parallel_grads sums them.
+biases under SP) are listed in `tp_sum_grads`; distributed/finalize.py sums them after backward.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from threefold.distributed.grid import Group
+from threefold.distributed.comm import MAX, Group
 from threefold.distributed.tensor_parallel.mappings import (all_gather_dim0, all_reduce_, copy_to_region,
                                                            gather_from_sequence_region, leave_region)
 from threefold.model.init import ShardSpec
@@ -207,7 +206,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, group):
         x = logits.float()
         vocab_start = group.rank * x.shape[-1]
-        row_max = all_reduce_(x.amax(dim=-1), group, op=dist.ReduceOp.MAX)
+        row_max = all_reduce_(x.amax(dim=-1), group, op=MAX)
         x = x - row_max.unsqueeze(-1)
         local = targets - vocab_start
         foreign = (local < 0) | (local >= x.shape[-1])

@@ -1,8 +1,9 @@
 """The collectives of tensor and sequence parallelism, as conjugate autograd pairs.
 
-Each function takes the group it talks to and records its calls and bytes in `group.stats`
-(bytes = the whole logical tensor: see grid.CommStats). The pairs (Megatron's f/g and their
-sequence-parallel forms; the forward of one is the backward of the other):
+Each function takes the group it talks to; the collectives underneath are threefold's
+communication layer (distributed/comm.py), which records calls and bytes in `group.stats`.
+The pairs (Megatron's f/g and their sequence-parallel forms; the forward of one is the
+backward of the other):
 
     copy_to_region            fwd identity          bwd all-reduce      enter TP (replicated input)
     reduce_from_region        fwd all-reduce        bwd identity        leave TP (partial sums)
@@ -17,61 +18,13 @@ A group of size 1 makes every function the identity (and records nothing).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.distributed as dist
 
-from threefold.distributed.grid import Group
+from threefold.distributed.comm import Group, all_gather_dim0, all_reduce, reduce_scatter_dim0
 
-
-# torch 2.13 renamed the flat collectives (the old names warn); older versions have only those.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _nbytes(x: torch.Tensor) -> int:
-    return x.numel() * x.element_size()
-
-
-_UNTIMED = contextlib.nullcontext()
-
-
-def _timed(group: Group):
-    """A tp_comm span on the group's recorder when one is attached (threefold.observe)."""
-    return _UNTIMED if group.spans is None else group.spans.span("tp_comm")
-
-
-# --- the raw collectives, each recorded in the group's stats -------------------------------
-
-def all_reduce_(x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce `x` in place (x must be contiguous)."""
-    group.stats.record("all_reduce", _nbytes(x))
-    with _timed(group):
-        dist.all_reduce(x, op=op, group=group.pg)
-    return x
-
-
-def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Concatenate every rank's `x` along dimension 0."""
-    x = x.contiguous()
-    out = torch.empty((x.shape[0] * group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    group.stats.record("all_gather", _nbytes(out))
-    with _timed(group):
-        _all_gather_flat(out, x, group=group.pg)
-    return out
-
-
-def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum `x` over the group and keep this rank's 1/size slice of dimension 0."""
-    x = x.contiguous()
-    if x.shape[0] % group.size:
-        raise ValueError(f"reduce-scatter: dimension 0 ({x.shape[0]}) is not divisible by {group.size}")
-    out = torch.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    group.stats.record("reduce_scatter", _nbytes(x))
-    with _timed(group):
-        _reduce_scatter_flat(out, x, group=group.pg)
-    return out
+# The raw collectives are comm's (each checks the device, records its bytes and, when log.spans
+# is on, times itself as tp_comm on the TP group); this module adds the autograd pairs.
+all_reduce_ = all_reduce
 
 
 def split_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:

@@ -1,0 +1,80 @@
+"""Bytes and calls per group for one tp2 x pp2 x dp2 ZeRO 1 step, as spans.jsonl reports them,
+against the count the layout implies (the convention of comm.CommStats: bytes = the whole
+logical tensor of a collective, a send's payload; receives are not counted again)."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness import CALM_LR, run_training
+from threefold.config import build_config
+from threefold.distributed.comm import Group
+from threefold.distributed.data_parallel.engine import MiB, _ordered_params
+from threefold.distributed.data_parallel.layout import build_layout
+from threefold.distributed.pipeline.partition import stage_layer_ids
+from threefold.distributed.tensor_parallel import apply_tensor_parallel
+from threefold.model.transformer import Transformer
+
+SEQ, B, MB, TP, PP, DP = 32, 8, 2, 2, 2, 2
+RUN = {"train.steps": 3, "train.seed": 0, "train.lr": CALM_LR, "model.seq_len": SEQ, "train.global_batch": B,
+       "train.micro_batch": MB, "parallel.tp": TP, "parallel.pp": PP, "parallel.dp": DP, "parallel.zero": 1,
+       "log.spans": "true"}
+
+
+def padded_numel(cfg, stage: int) -> tuple[int, int]:
+    """(gradient buffer elements, buckets) of a stage's tensor-parallel shard, laid out as the
+    data-parallel engine lays it out for ZeRO 1 over dp."""
+    ids = stage_layer_ids(cfg.model, PP, 1, "")[stage]
+    with torch.device("meta"):
+        chunk = Transformer(cfg.model, layer_ids=ids, first=stage == 0, last=stage == PP - 1)
+        apply_tensor_parallel(chunk, SimpleNamespace(tp=Group("tp", list(range(TP)), None)), False)
+    params, _, _ = _ordered_params([chunk], 1, set())
+    layout = build_layout([tuple(p.shape) for p in params], cfg.parallel.bucket_mb * MiB, 4, DP)
+    return layout.numel, len(layout.buckets)
+
+
+def expected(cfg, stage: int) -> dict[str, tuple[int, int]]:
+    """group -> (calls, bytes) of one step on a rank of `stage` (fp32, llama: kv heads split
+    over tp, no SP, no tied embedding, no experts)."""
+    m = cfg.model
+    micro = B // (DP * MB)
+    x = SEQ * MB * m.hidden * 4  # one activation [seq, micro-batch, hidden]
+    layers = len(stage_layer_ids(m, PP, 1, "")[stage])
+    # TP per micro-batch: 2 forward all-reduces (attention and MLP outputs) and 2 backward (their
+    # inputs) per layer; the embedding's forward (first stage) or the head's input gradient
+    # (last); the vocab-parallel loss: a max and the target-logit/exp sums (3 values per token).
+    # Once per step: the squared norms of the TP shards, one fp32 scalar.
+    tp_calls = micro * (4 * layers + 1) + 1
+    tp_bytes = micro * (4 * layers + 1) * x + 4
+    if stage == PP - 1:
+        tp_calls += micro * 2
+        tp_bytes += micro * 3 * SEQ * MB * 4
+    # PP: one send per micro-batch (activations forward, or their gradients backward); the
+    # spans' pipeline flush (1 float), the norm's sum over stages (fp32) and the loss's (fp64).
+    pp = (micro + 3, micro * x + 4 + 4 + 8)
+    # DP, ZeRO 1: each bucket's gradients all-reduced and its updated parameters all-gathered
+    # (the padded buffer), the loss summed (fp64). ZeRO 1 norms need no dp traffic.
+    numel, buckets = padded_numel(cfg, stage)
+    dp = (2 * buckets + 1, 2 * numel * 4 + 8)
+    # World: the health all-gather of 3 fp32 per rank and the MAX of 4 fp32.
+    world = (2, 8 * 3 * 4 + 4 * 4)
+    return {"tp": (tp_calls, tp_bytes), "pp": pp, "dp": dp, "ep": (0, 0), "world": world}
+
+
+@pytest.fixture(scope="module")
+def spans(tmp_path_factory, cache_dir) -> list[dict]:
+    root = tmp_path_factory.mktemp("volume")
+    run_training(RUN, root, cache_dir)
+    return [json.loads(line) for line in (root / "spans.jsonl").read_text().splitlines()]
+
+
+def test_every_group_carries_what_the_layout_implies(spans):
+    cfg = build_config(None, [(k, str(v)) for k, v in RUN.items()])
+    want = {stage: expected(cfg, stage) for stage in range(PP)}
+    assert [s["step"] for s in spans] == [1, 2, 3]
+    for record in spans:
+        assert len(record["ranks"]) == TP * PP * DP
+        for rank in record["ranks"]:
+            got = {g: (rank["comm_calls"][g], rank["comm_bytes"][g]) for g in ("tp", "pp", "dp", "ep", "world")}
+            assert got == want[rank["pp"]], (record["step"], rank["rank"])

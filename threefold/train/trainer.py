@@ -1,0 +1,283 @@
+"""The trainer of one worker: everything a run needs, built once, and a step you can call.
+
+    trainer = Trainer(cfg, grid, device)   # stage, engine, data, resume, records, guard, spans
+    result = trainer.train_step(step)      # one optimizer step -> observe.step.StepResult
+    last = trainer.train()                 # the loop: steps, evaluation, checkpoints, rollback
+
+A step is a short list of phases, each timed as its span category when log.spans is on:
+
+    data_wait         this rank's micro-batches (the prefetcher, or the sampler)
+    forward/backward  the pipeline schedule over them: every F, B, W and transfer is its own span
+    finalize_grads    every reduction after backward and the global norm (distributed/finalize.py)
+    agree             one all-gather: any rank's NaN/Inf makes every rank skip; stragglers named
+    optimizer         clip and AdamW (ZeRO 1/2 gather the new parameters)
+    sync              the loss, and the slowest rank's memory, data wait and pipeline idle
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from threefold.checkpoint import find_resumable, list_checkpoints, load_into, open_checkpoint, training_state
+from threefold.data import GlobalBatchSampler, Prefetcher, load_tokens
+from threefold.data.split import training_part
+from threefold.data.tokenizer import check_vocab, open_tokenizer
+from threefold.distributed.comm import all_reduce_max, all_reduce_sum
+from threefold.distributed.data_parallel import MixedPrecision, build_data_parallel
+from threefold.distributed.data_parallel.state import refresh_params
+from threefold.distributed.finalize import finalize_grads
+from threefold.distributed.grid import Grid
+from threefold.distributed.parallelize import build_model
+from threefold.distributed.pipeline import bubble_theory
+from threefold.distributed.pipeline.stage import build_stage, tied_head_weights
+from threefold.distributed.tensor_parallel import partial_grad_params
+from threefold.errors import DataError, UserError
+from threefold.inference.evaluate import HeldOut
+from threefold.observe import device_peak_flops, peak_memory_bytes, train_flops_per_token, write_run_json
+from threefold.observe.metrics import MetricsWriter
+from threefold.observe.observer import StepObserver
+from threefold.observe.step import StepResult, Throughput, step_record
+from threefold.train.expert_load import ExpertLoad
+from threefold.train.health import NonFiniteRollback
+from threefold.train.optim import lr_at
+from threefold.train.resilience import RunGuard, continues_run
+from threefold.train.status import StatusLine
+
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class DivergedError(UserError):
+    """Non-finite losses or gradients that rolling back does not cure."""
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Parameter and activation dtype; bf16/fp16 keep fp32 master weights in the optimizer."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def open_data(cfg):
+    """Token stream + sampler; refuses a corpus whose ids do not fit the model's vocabulary."""
+    d, m = cfg.data, cfg.model
+    tokens = load_tokens(d.path, d.vocab, d.dtype, d.cache_dir, d.tokenizer)
+    if tokens.vocab_size > m.vocab:
+        raise DataError(f"{tokens.source}: token ids go up to vocab {tokens.vocab_size} but model.vocab is "
+                        f"{m.vocab} (set --model.vocab {tokens.vocab_size} or larger)")
+    if d.tokenizer:
+        check_vocab(open_tokenizer(d.tokenizer), m.vocab, f"data.tokenizer {d.tokenizer}")
+    tokens = training_part(tokens, d.val_fraction)  # the held-out tail is never sampled
+    sampler = GlobalBatchSampler(len(tokens.tokens), m.seq_len, cfg.train.global_batch, cfg.train.seed)
+    return tokens, sampler
+
+
+def _quiet(*_args) -> None:
+    pass
+
+
+class Trainer:
+    def __init__(self, cfg, grid: Grid, device: torch.device, log=print, probe=None, restarted: bool = False):
+        """Build this rank's part of the run and load a checkpoint when checkpoint.resume (or
+        init_from) says so; `restarted` (a worker the elastic agent restarted) continues from
+        the newest checkpoint in checkpoint.dir, if there is one yet. `probe` (threefold memory's
+        MemoryProbe) watches each step's activations and measures the model state after the
+        optimizer step."""
+        m, t, p = cfg.model, cfg.train, cfg.parallel
+        self.cfg, self.grid, self.device, self.probe = cfg, grid, device, probe
+        self.is_logger = grid.global_rank == 0
+        self.log = log if self.is_logger else _quiet
+        self.dtype = resolve_dtype(t.dtype, device)
+        self.chunks, self.executor = build_stage(cfg, grid, device, partial(build_model, cfg, grid, device),
+                                                 self.dtype)
+        self.model = nn.ModuleList(self.chunks)  # this rank's pipeline chunks (one without pipelining)
+        self.tied = tied_head_weights(self.chunks, cfg, grid)  # the embedding and its last-stage copy
+        self.tied_copy = [w for c in self.chunks if c.tok_embed is None for w in tied_head_weights([c], cfg, grid)]
+        precision = MixedPrecision.from_names(DTYPE_NAMES[self.dtype], t.grad_reduce_dtype, t.loss_scale,
+                                              t.initial_loss_scale, t.loss_scale_window)
+        self.engine = build_data_parallel(self.chunks, grid, zero=p.zero, bucket_mb=p.bucket_mb, precision=precision,
+                                          betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, own_bucket=self.tied)
+        self.expert_load = ExpertLoad.of(self.chunks, cfg, device)
+        self.partial = partial_grad_params(self.model)
+        if self.executor.store is not None:  # zero-bubble W passes add their dW through the engine
+            self.executor.store.accumulate = self.engine.accumulate_grad
+        self.state = training_state(self.chunks, self.engine, grid,
+                                    aliases={id(w): "tok_embed.weight" for w in self.tied_copy})
+        self.tokens, self.sampler = open_data(cfg)
+        self.tokens_per_step = t.global_batch * m.seq_len
+        flops_per_step = train_flops_per_token(m, m.seq_len) * self.tokens_per_step
+        peak = device_peak_flops(device, self.dtype, threads=t.threads if device.type == "cpu" else None,
+                                 cache_dir=cfg.data.cache_dir)
+        bubble = bubble_theory(p.schedule, p.pp, p.microbatches, p.vpp) if p.pp > 1 else 0.0
+        self.throughput = Throughput(self.tokens_per_step, flops_per_step, grid.layout.world_size, peak, bubble)
+        self.observer = StepObserver(cfg.log, grid, device, self.is_logger)  # where each rank's step time went
+        self.observer.attach(self.chunks, self.engine)
+        self.start_step = self.resume(restarted)
+        self.metrics = self.guard = None
+        self._open_records()
+        if self.is_logger:
+            write_run_json(cfg.log.dir, cfg.to_dict(), grid.describe(), device=device,
+                           extra={"data": self.tokens.source, "peak_flops_per_device": peak, "dtype": str(self.dtype),
+                                  "train_flops_per_token": flops_per_step / self.tokens_per_step})
+        self.status = StatusLine(t.steps, cfg.log.interval, enabled=self.is_logger and not cfg.log.quiet)
+        self.heldout = HeldOut(cfg) if t.eval_every else None
+        self._last_failure: int | None = None
+
+    # --- loading ------------------------------------------------------------------------------
+    def resume(self, restarted: bool = False) -> int:
+        """Load what checkpoint.resume names (a checkpoint of any layout) into this rank's slices, or
+        init_from's model weights; returns the step to continue from (data order and LR schedule
+        are functions of the step)."""
+        c = self.cfg.checkpoint
+        step, mode = 0, c.resume
+        if restarted and c.dir and list_checkpoints(Path(c.dir)):
+            mode = "auto"
+        if mode:
+            found = find_resumable(c.dir, warn=self.log) if mode == "auto" else open_checkpoint(mode)
+            if found is None:
+                self.log(f"threefold: no checkpoint in {c.dir} yet: starting at step 0")
+            else:
+                step = self.load(*found)
+        if step == 0 and c.init_from:
+            directory, manifest = open_checkpoint(c.init_from)
+            # Fine-tuning: the weights only, into the fp32 masters; moments, step and data start anew.
+            load_into([s for s in self.state if s.name.startswith("model/")], directory, manifest)
+            refresh_params(self.engine, 0)
+            self.log(f"threefold: model weights from {directory} (step {manifest.step}); training starts at step 0")
+        return step
+
+    def load(self, directory: Path, manifest) -> int:
+        """Every tensor of a verified checkpoint into this rank's slices, the working weights
+        from the loaded masters, and a dynamic loss scale; returns the checkpoint's step."""
+        load_into(self.state, directory, manifest)
+        refresh_params(self.engine, manifest.extra["optimizer_step"])
+        self.engine.scaler.load_state_dict(manifest.extra.get("loss_scaler", {}))
+        self.log(f"threefold: resumed from {directory} at step {manifest.step}")
+        return manifest.step
+
+    def _open_records(self, faults=None) -> None:
+        """metrics.jsonl (appended to when the run continues) and the guard of this attempt."""
+        cfg, log = self.cfg, self.log
+        self.metrics = MetricsWriter(cfg.log.dir, enabled=self.is_logger, append=continues_run(self.start_step),
+                                     tensorboard=cfg.log.tensorboard)
+        self.guard = RunGuard(cfg, self.grid, self.chunks, self.state, self.start_step, log, self.engine.scaler,
+                              faults=faults)
+
+    # --- one step -----------------------------------------------------------------------------
+    def batches(self, step: int) -> list:
+        """This rank's micro-batches of global step `step` (0-based)."""
+        t = self.cfg.train
+        return self.sampler.microbatches(self.tokens.tokens, step, self.grid.dp_rank, self.grid.layout.dp,
+                                         t.micro_batch)
+
+    def train_step(self, step: int, batches: list | None = None, data_wait_s: float = 0.0) -> StepResult:
+        """One optimizer step on global step `step` (0-based): `batches` (default: the
+        sampler's) through the schedule, gradients finalized, agreed on, applied. Collective
+        over the world; every rank returns the same values but step_time_s and tp_comm_bytes."""
+        t, grid, engine, phase = self.cfg.train, self.grid, self.engine, self.observer.phase
+        t0 = time.perf_counter()
+        tp_bytes0 = grid.tp.stats.total_bytes
+        if batches is None:
+            with phase("data_wait"):
+                batches = self.batches(step)
+        lr = lr_at(step, t)
+        self.expert_load.set_loss_weight(engine.loss_scale)
+        # Every micro-batch through this rank's stage, in schedule order. parallel.grad_reduce:
+        # overlap runs each chunk's last backward outside no_sync, so its buckets reduce over dp
+        # while backward goes on; after holds every reduction for finalize; every reduces each
+        # micro-batch's gradients as they come (ZeRO 2/3).
+        mode = self.cfg.parallel.grad_reduce
+        if mode == "every" and engine.zero < 2:  # dp 1 runs ZeRO as stage 0: nothing to reduce
+            mode = "overlap"
+        with self.probe.watch(self.chunks) if self.probe else contextlib.nullcontext(), \
+                engine.no_sync() if mode == "after" else contextlib.nullcontext():
+            loss_sum, pipe = self.executor.run(batches, self.tokens_per_step / engine.loss_scale,
+                                               no_sync=engine.no_sync if mode == "overlap" else None,
+                                               spans=self.observer.recorder)
+        compute_s = self.guard.compute_time(step, pipe)
+        norm = finalize_grads(engine, grid, self.partial, self.tied, self.tied_copy, phase)
+        with phase("optimizer"):
+            norm = self.guard.agree(norm, loss_sum, compute_s, engine)  # any rank's NaN: all skip
+            applied = engine.step(lr, norm, t.grad_clip)
+            if self.probe:
+                self.probe.after_step(engine)
+            engine.zero_grad()
+        with phase("sync"):
+            all_reduce_sum(loss_sum, grid.pp)  # only the last stage computed a loss
+            all_reduce_sum(loss_sum, grid.dp)
+            # One small MAX reduction: the slowest rank's memory, data wait and pipeline idle.
+            worst = all_reduce_max(torch.tensor([float(peak_memory_bytes(self.device)), data_wait_s, pipe.recv_wait_s,
+                                                 pipe.idle_fraction], device=self.device), grid.world)
+            loss, grad_norm, worst = loss_sum.item() / self.tokens_per_step, norm.item(), worst.tolist()
+        return StepResult(step + 1, loss, grad_norm, lr, applied, time.perf_counter() - t0, worst[1], int(worst[0]),
+                          worst[2], worst[3], grid.tp.stats.total_bytes - tp_bytes0,
+                          engine.comm_stats()["dp_exposed_s"], engine.loss_scale)
+
+    # --- the loop -----------------------------------------------------------------------------
+    def train(self) -> dict:
+        """Steps start_step .. train.steps; returns the last step's metrics record (or, with a
+        memory probe, every rank's memory rows on rank 0). After train.nan_rollback_after
+        non-finite steps in a row every rank reloads the newest checkpoint and goes on."""
+        while True:
+            try:
+                last = self._steps()
+                break
+            except NonFiniteRollback as err:
+                self.rollback(err)
+        self.metrics.close()
+        self.observer.close()
+        if self.probe:
+            return self.probe.gather(self.cfg, self.grid, self.chunks, self.dtype)
+        return last
+
+    def _steps(self) -> dict:
+        cfg, t, last = self.cfg, self.cfg.train, {}
+        with Prefetcher(self.batches, self.start_step, t.steps, depth=cfg.data.prefetch) as prefetch:
+            for step in range(self.start_step, t.steps):
+                self.guard.step_begins(step)
+                self.observer.begin_step(step)
+                with self.observer.phase("data_wait"):
+                    batches, data_wait = prefetch.get(step)
+                result = self.train_step(step, batches, data_wait)
+                result.extra.update(self.expert_load.collect(self.grid.world))
+                if self.heldout is not None and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+                    with self.observer.phase("eval"):
+                        result.extra["val_loss"] = self.heldout.evaluate(self.chunks, self.grid, cfg)["loss"]
+                last = step_record(result, self.throughput, time.time())
+                # Health counters, the checkpoint when one is due (after step_time: a save blocks the
+                # run and is reported as its own category), goodput, where the time went.
+                self.guard.end_step(step, last, span=self.observer.phase)
+                last.update(self.observer.end_step(self.engine))
+                self.metrics.write(last)
+                if last.get("moe_hot_experts") and (step + 1) % cfg.log.interval == 0:
+                    self.log(f"threefold: step {step + 1}: experts above 2x their layer's mean load: "
+                             f"{', '.join(last['moe_hot_experts'])}")
+                self.status.update(step, result.loss, last["tokens_per_s"], last["mfu"])
+                self.guard.check_rollback(step, self.metrics)
+            self.guard.close()
+        return last
+
+    def rollback(self, err: NonFiniteRollback) -> None:
+        """Reload the newest checkpoint on every rank (each took the same decision) and continue
+        from its step; a divergence that comes back no later than last time is an error."""
+        c = self.cfg.checkpoint
+        if not c.dir or not list_checkpoints(Path(c.dir)):
+            raise DivergedError(f"train: {err} and there is no checkpoint to roll back to "
+                                "(set checkpoint.dir and checkpoint.interval, or lower train.lr)") from None
+        if self._last_failure is not None and err.step <= self._last_failure:
+            raise DivergedError(f"train: {err}, again after rolling back (lower train.lr or check the data "
+                                f"around step {err.step + 1})") from None
+        self._last_failure = err.step
+        if self.is_logger:
+            print(f"threefold: {err}: rolling back to the last checkpoint", file=sys.stderr, flush=True)
+        found = find_resumable(c.dir, warn=self.log)
+        if found is None:
+            raise DivergedError(f"train: {err} and no checkpoint in {c.dir} verifies") from None
+        self.start_step = self.load(*found)
+        self._open_records(faults=self.guard.faults)
