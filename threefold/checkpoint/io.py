@@ -44,7 +44,7 @@ def write(root: str | Path, step: int, shards: list[tuple[LocalTensor, torch.Ten
     """Write, verify and publish a snapshot: collective over `group` (None = the job's default
     group); returns the published directory on rank 0."""
     group = group or comm.job_group()
-    root, rank = Path(root), comm.global_rank()
+    root, rank = Path(root), group.rank
     final, tmp = root / step_dir_name(step), root / (step_dir_name(step) + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
@@ -151,30 +151,8 @@ def load_into(tensors: list[LocalTensor], directory: Path, manifest: Manifest) -
 
 def save_whole(root: str | Path, step: int, tensors: dict[str, torch.Tensor], config: dict, layout: dict,
                extra: dict | None = None) -> Path:
-    """Write whole (unsharded) tensors as a one-file checkpoint from a single process, with the
-    same atomic publish as `save`: an imported model is then an ordinary checkpoint that any
-    layout loads by slicing."""
-    root = Path(root)
-    final, tmp = root / step_dir_name(step), root / (step_dir_name(step) + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    file = "rank00000.pt"
-    mine = {f"{name}@{','.join(['0'] * t.dim())}": t.detach().cpu().contiguous() for name, t in tensors.items()}
-    path = tmp / file
-    with open(path, "wb") as f:
-        torch.save(mine, f)
-        f.flush()
-        os.fsync(f.fileno())
-    entries = {}
-    for (name, t), key in zip(tensors.items(), mine):
-        entry = TensorEntry(list(t.shape), str(t.dtype).replace("torch.", ""))
-        entry.shards.append(Shard(file, key, [0] * t.dim(), list(t.shape)))
-        entries[name] = entry
-    files = {file: {"bytes": path.stat().st_size, "sha256": sha256_of(path)}}
-    write_atomic(tmp / MANIFEST, Manifest(step, config, layout, entries, files, extra or {}).to_json())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(root)
-    write_atomic(root / LATEST, final.name + "\n")
-    return final
+    """Whole (unsharded) tensors as a one-file checkpoint written by this process alone, through
+    the same write and atomic publish as a training save: an imported model is then an ordinary
+    checkpoint that any layout loads by slicing."""
+    whole = [LocalTensor(name, t, tuple(t.shape), (0,) * t.dim(), True) for name, t in tensors.items()]
+    return write(root, step, snapshot(whole, copy=False), config, layout, extra, group=comm.Group("self", [0], None))

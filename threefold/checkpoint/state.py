@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from threefold.model.sharding import sharding_of
+
 
 @dataclass
 class LocalTensor:
@@ -31,14 +33,11 @@ def _logical_names(chunks: list[nn.Module], aliases: dict[int, str]) -> dict[int
     first name wins (tied)."""
     out: dict[int, tuple] = {}
     for chunk in chunks:
-        for mod_name, module in chunk.named_modules():
-            specs = getattr(module, "shard_specs", {})
-            group = getattr(getattr(module, "shard_group", None), "name", None)
-            for pname, p in module.named_parameters(recurse=False):
-                if id(p) not in out:
-                    alias = aliases.get(id(p))
-                    out[id(p)] = (alias or (f"{mod_name}.{pname}" if mod_name else pname), specs.get(pname),
-                                  bool(alias), group)
+        for name, p in chunk.named_parameters(remove_duplicate=False):
+            if id(p) not in out:
+                s = sharding_of(p)
+                alias = aliases.get(id(p))
+                out[id(p)] = (alias or name, s.spec, bool(alias), s.group.name if s.group is not None else None)
     return out
 
 
@@ -56,7 +55,7 @@ def training_state(chunks: list[nn.Module], engine, grid, aliases: dict[int, str
     "tok_embed.weight") to that name: it is loaded from it and never written."""
     names = _logical_names(chunks, aliases or {})
     out = []
-    for part in getattr(engine, "engines", [engine]):  # dense + expert engines of an MoE model
+    for part in engine.parts:  # dense + expert engines of an MoE model
         out += _engine_state(part, names, grid)
     return out
 

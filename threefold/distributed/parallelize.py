@@ -5,8 +5,8 @@ The order is fixed (as in torchtitan):
   2. tensor/sequence parallelism swaps linears, embedding and loss for sharded ones; expert
      parallelism keeps this rank's experts and routes tokens to the others by all-to-all;
   3. activation recomputation wraps blocks (after TP, so a rerun repeats the TP collectives);
-  4. materialize only this rank's shards, re-tie tied weights, fill them with the
-     layout-invariant initializer;
+  4. materialize only this rank's shards, declare each parameter's sharding record once
+     (model/sharding.py), re-tie tied weights, fill them with the layout-invariant initializer;
   5. seed the dropout generator for this rank's place in the grid.
 """
 from __future__ import annotations
@@ -16,15 +16,17 @@ import hashlib
 import torch
 from torch import nn
 
+from threefold.config import Config
 from threefold.distributed.expert_parallel import apply_expert_parallel
 from threefold.distributed.grid import Grid
 from threefold.distributed.tensor_parallel import apply_tensor_parallel
 from threefold.model.meta import materialize, on_meta, tie_and_init
 from threefold.model.recompute import apply_recompute
+from threefold.model.sharding import declare
 from threefold.model.transformer import Transformer
 
 
-def build_model(cfg, grid: Grid, device: torch.device, layer_ids: list[int] | None = None,
+def build_model(cfg: Config, grid: Grid, device: torch.device, layer_ids: list[int] | None = None,
                 first: bool = True, last: bool = True) -> nn.Module:
     """The whole model, or one pipeline chunk (its `layer_ids`, with the embedding if `first`
     and the head and loss if `last`)."""
@@ -34,6 +36,7 @@ def build_model(cfg, grid: Grid, device: torch.device, layer_ids: list[int] | No
         apply_expert_parallel(model, grid, cfg.model)
     apply_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
     materialize(model, device)
+    declare(model, grid.tp)
     tie_and_init(model, cfg.model, cfg.train.seed, first, last)
     torch.manual_seed(dropout_seed(cfg.train.seed, grid, cfg.parallel.sp))
     return model

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from threefold.config import Config
 from threefold.data import load_tokens
 from threefold.data.split import heldout_starts
 from threefold.distributed.comm import all_reduce_sum
@@ -27,7 +28,7 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torc
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def evaluate(chunks: list[nn.Module], grid: Grid, cfg, tokens: np.ndarray, starts: np.ndarray) -> dict:
+def evaluate(chunks: list[nn.Module], grid: Grid, cfg: Config, tokens: np.ndarray, starts: np.ndarray) -> dict:
     """{"loss", "perplexity", "tokens"} of the windows at `starts` (seq_len + 1 tokens each)."""
     seq, mb, dp = cfg.model.seq_len, cfg.train.micro_batch, grid.layout.dp
     mine = starts[grid.dp_rank::dp]
@@ -60,7 +61,7 @@ def evaluate(chunks: list[nn.Module], grid: Grid, cfg, tokens: np.ndarray, start
 class HeldOut:
     """The evaluation windows of a run: the last data.val_fraction of its token stream."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Config):
         d = cfg.data
         stream = load_tokens(d.path, d.vocab, d.dtype, d.cache_dir, d.tokenizer)
         self.tokens = stream.tokens
@@ -68,5 +69,5 @@ class HeldOut:
         self.vocab_size = stream.vocab_size
         self.starts = heldout_starts(len(stream.tokens), cfg.model.seq_len, d.val_fraction, cfg.train.eval_sequences)
 
-    def evaluate(self, chunks: list[nn.Module], grid: Grid, cfg) -> dict:
+    def evaluate(self, chunks: list[nn.Module], grid: Grid, cfg: Config) -> dict:
         return evaluate(chunks, grid, cfg, self.tokens, self.starts)

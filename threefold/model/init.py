@@ -6,32 +6,21 @@ generator seeded by hash(seed, name, b); the block size depends only on the full
 therefore generates just the row blocks its shard touches (for a column slice: one block at a
 time, keeping its columns), and any layout, on any device, gets bit-identical values.
 
-Tensor-parallel modules describe their shards with a `shard_specs` dict
-{local param name: ShardSpec}; anything without one is replicated.
+A parameter's shard comes from its sharding record (model/sharding.py); a parameter without
+one is the whole tensor.
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from threefold.config import ModelConfig
 from threefold.model.layers import output_std
+from threefold.model.sharding import ShardSpec, sharding_of  # noqa: F401 - ShardSpec is also imported from here
 
 BLOCK_ELEMENTS = 1 << 20  # elements per generator block (bounded host memory per draw)
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """This rank holds full[start:start+length] along `dim` of a tensor of `full_shape`;
-    `replicas` ranks of the shard group hold this same slice (GQA kv heads when kv_heads < tp)."""
-
-    dim: int
-    start: int
-    length: int
-    full_shape: tuple[int, ...]
-    replicas: int = 1
 
 
 def _block_seed(seed: int, name: str, block: int) -> int:
@@ -62,7 +51,7 @@ def normal_shard(name: str, full_shape: tuple[int, ...], std: float, seed: int,
     return torch.cat(pieces, dim=0)
 
 
-def _init_rule(name: str, cfg) -> tuple[str, float]:
+def _init_rule(name: str, cfg: ModelConfig) -> tuple[str, float]:
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "bias" or name.endswith("_norm.bias") or name == "norm.bias":
         return "zeros", 0.0
@@ -74,13 +63,9 @@ def _init_rule(name: str, cfg) -> tuple[str, float]:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, cfg, seed: int, tied_name_map: dict[str, str] | None = None) -> None:
+def init_weights(model: nn.Module, cfg: ModelConfig, seed: int, tied_name_map: dict[str, str] | None = None) -> None:
     """Fill every parameter of `model` (already materialized, e.g. by to_empty) in place."""
     tied_name_map = tied_name_map or {}
-    specs: dict[str, ShardSpec] = {}
-    for mod_name, module in model.named_modules():
-        for pname, spec in getattr(module, "shard_specs", {}).items():
-            specs[f"{mod_name}.{pname}" if mod_name else pname] = spec
     for name, param in model.named_parameters():
         logical = tied_name_map.get(name, name)
         kind, std = _init_rule(logical, cfg)
@@ -89,7 +74,7 @@ def init_weights(model: nn.Module, cfg, seed: int, tied_name_map: dict[str, str]
         elif kind == "ones":
             param.fill_(1.0)
         else:
-            spec = specs.get(name)
+            spec = sharding_of(param).spec
             if spec is None:
                 values = normal_shard(logical, tuple(param.shape), std, seed)
             else:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from threefold.config import ModelConfig
 from threefold.model.moe import MoE, is_moe_layer
 
 
@@ -44,7 +45,7 @@ class RMSNorm(nn.Module):
         return (out * self.weight.float()).to(x.dtype)
 
 
-def make_norm(cfg) -> nn.Module:
+def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.arch == "gpt2":
         return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
     return RMSNorm(cfg.hidden, cfg.norm_eps)
@@ -76,7 +77,7 @@ class AttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         hd, bias = cfg.head_dim, cfg.arch == "gpt2"
         qkv_bias = bias or cfg.qkv_bias
@@ -102,7 +103,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (w2(silu(w1 x) * w3 x)) for llama, GeLU (w2(gelu(w1 x))) for gpt2."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gated = cfg.arch == "llama"
         bias = not self.gated
@@ -117,7 +118,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
@@ -133,6 +134,6 @@ class Block(nn.Module):
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
-def output_std(cfg) -> float:
+def output_std(cfg: ModelConfig) -> float:
     """GPT-2's scaled init for projections that write into the residual stream."""
     return cfg.init_std / math.sqrt(2 * cfg.layers)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from threefold.config import ModelConfig
 from threefold.model.init import init_weights
 from threefold.model.transformer import Transformer
 
@@ -52,7 +53,7 @@ def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
     return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
-def tie_and_init(model: nn.Module, cfg, seed: int, first: bool = True, last: bool = True) -> None:
+def tie_and_init(model: nn.Module, cfg: ModelConfig, seed: int, first: bool = True, last: bool = True) -> None:
     """Fill a materialized model (or pipeline chunk) with the layout-invariant initializer,
     re-tying a tied head first (materialize re-created the parameters). A last stage without
     the embedding holds its own copy of the tied weight: the same values."""
@@ -63,7 +64,7 @@ def tie_and_init(model: nn.Module, cfg, seed: int, first: bool = True, last: boo
     init_weights(model, cfg, seed, names)
 
 
-def plain_model(cfg, seed: int, device: torch.device | str, layer_ids: list[int] | None = None,
+def plain_model(cfg: ModelConfig, seed: int, device: torch.device | str, layer_ids: list[int] | None = None,
                 first: bool = True, last: bool = True) -> Transformer:
     """The model (or one pipeline chunk) without any parallelism, initialized as every layout
     is: what the PyTorch-native peers of the benchmarks start from."""

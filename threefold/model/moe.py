@@ -32,10 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from threefold.config import ModelConfig
 from threefold.model.recompute import is_recomputing
 
 
-def is_moe_layer(cfg, layer: int) -> bool:
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
     """Every `moe_every`-th block (0-based layers k-1, 2k-1, ...) is MoE when num_experts > 0."""
     return cfg.num_experts > 0 and layer % cfg.moe_every == cfg.moe_every - 1
 
@@ -60,7 +61,7 @@ class Experts(nn.Module):
     """The routed experts held here (all of them, or this rank's share under EP): SwiGLU for
     llama, GeLU for gpt2, without biases."""
 
-    def __init__(self, cfg, num: int | None = None):
+    def __init__(self, cfg: ModelConfig, num: int | None = None):
         super().__init__()
         num = cfg.num_experts if num is None else num
         self.num, self.gated = num, cfg.arch == "llama"
@@ -147,7 +148,7 @@ class _AddLossGrad(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg, shared: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, shared: nn.Module | None = None):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.capacity_factor = cfg.capacity_factor

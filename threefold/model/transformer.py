@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from threefold.config import ModelConfig
 from threefold.model.layers import Block, Linear, make_norm
 
 
@@ -23,7 +24,7 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg, layer_ids: Iterable[int] | None = None, first: bool = True, last: bool = True):
+    def __init__(self, cfg: ModelConfig, layer_ids: Iterable[int] | None = None, first: bool = True, last: bool = True):
         super().__init__()
         self.cfg = cfg
         layer_ids = list(range(cfg.layers) if layer_ids is None else layer_ids)

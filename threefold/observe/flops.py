@@ -13,14 +13,16 @@ expert. Experts have no biases (the shared expert is a plain MLP, biases include
 """
 from __future__ import annotations
 
+from threefold.config import ModelConfig
+
 _RECOMPUTE = ("none", "selective", "full")
 
 
-def _head_dim(cfg) -> int:
+def _head_dim(cfg: ModelConfig) -> int:
     return cfg.hidden // cfg.heads
 
 
-def _mlp_matrices(cfg) -> int:
+def _mlp_matrices(cfg: ModelConfig) -> int:
     # SwiGLU has gate, up and down; the GPT-2 MLP has in and out.
     if cfg.arch == "llama":
         return 3
@@ -29,14 +31,14 @@ def _mlp_matrices(cfg) -> int:
     raise ValueError(f"unknown arch {cfg.arch!r} (valid: 'llama', 'gpt2')")
 
 
-def moe_layers(cfg) -> int:
+def moe_layers(cfg: ModelConfig) -> int:
     """How many blocks are MoE: every moe_every-th (0 without experts)."""
     if not getattr(cfg, "num_experts", 0):
         return 0
     return cfg.layers // getattr(cfg, "moe_every", 1)
 
 
-def _attention_weights(cfg) -> int:
+def _attention_weights(cfg: ModelConfig) -> int:
     h, hd = cfg.hidden, _head_dim(cfg)
     q = h * cfg.heads * hd
     kv = 2 * h * cfg.kv_heads * hd  # GQA: k and v are narrower than q
@@ -44,13 +46,13 @@ def _attention_weights(cfg) -> int:
     return q + kv + o
 
 
-def _moe_mlp_weights(cfg, experts: int) -> int:
+def _moe_mlp_weights(cfg: ModelConfig, experts: int) -> int:
     """Router + `experts` expert MLPs + the shared expert."""
     mlp = _mlp_matrices(cfg) * cfg.hidden * cfg.ffn_hidden
     return cfg.hidden * cfg.num_experts + experts * mlp + (mlp if getattr(cfg, "shared_expert", False) else 0)
 
 
-def matmul_weights_per_layer(cfg) -> float:
+def matmul_weights_per_layer(cfg: ModelConfig) -> float:
     """Weight elements one token multiplies through in one layer (attention + MLP), the mean
     over layers when some are MoE (times `layers` it is exact)."""
     mlp = _mlp_matrices(cfg) * cfg.hidden * cfg.ffn_hidden
@@ -67,7 +69,7 @@ def _s_eff(seq_len: int, causal: bool) -> float:
     return (seq_len + 1) / 2 if causal else float(seq_len)
 
 
-def attention_flops_per_token_per_layer(cfg, seq_len: int | None = None,
+def attention_flops_per_token_per_layer(cfg: ModelConfig, seq_len: int | None = None,
                                         causal: bool = True) -> float:
     """Forward FLOPs of QK^T and (softmax)V for one token in one layer.
 
@@ -78,17 +80,17 @@ def attention_flops_per_token_per_layer(cfg, seq_len: int | None = None,
     return 2 * 2 * cfg.heads * _head_dim(cfg) * _s_eff(s, causal)
 
 
-def _layer_forward(cfg, seq_len: int | None, causal: bool) -> float:
+def _layer_forward(cfg: ModelConfig, seq_len: int | None, causal: bool) -> float:
     attention = attention_flops_per_token_per_layer(cfg, seq_len, causal)
     return 2 * matmul_weights_per_layer(cfg) + attention
 
 
-def _head_forward(cfg) -> float:
+def _head_forward(cfg: ModelConfig) -> float:
     # The logit matmul hidden x vocab is paid whether or not its weight is tied.
     return 2 * cfg.hidden * cfg.vocab
 
 
-def forward_flops_per_token(cfg, seq_len: int | None = None, causal: bool = True) -> float:
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, causal: bool = True) -> float:
     """Forward FLOPs per token: 2 * (matmul weights) + attention scores/values.
 
     = layers * (2 * W_layer + 4 * heads * hd * s_eff) + 2 * hidden * vocab.
@@ -97,7 +99,7 @@ def forward_flops_per_token(cfg, seq_len: int | None = None, causal: bool = True
     return cfg.layers * _layer_forward(cfg, seq_len, causal) + _head_forward(cfg)
 
 
-def train_flops_per_token(cfg, seq_len: int | None = None, causal: bool = True) -> float:
+def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, causal: bool = True) -> float:
     """Model FLOPs per trained token (MFU's numerator): forward + backward = 3 * forward.
 
     The backward of y = xW needs dx = dy W^T and dW = x^T dy, two matmuls of the forward's
@@ -106,7 +108,7 @@ def train_flops_per_token(cfg, seq_len: int | None = None, causal: bool = True) 
     return 3 * forward_flops_per_token(cfg, seq_len, causal)
 
 
-def hardware_flops_per_token(cfg, seq_len: int | None = None, causal: bool = True,
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, causal: bool = True,
                              recompute: str = "none") -> float:
     """FLOPs the device actually executes per token (HFU's numerator).
 
@@ -142,7 +144,7 @@ def megatron_flops_per_iteration(batch: int, seq_len: int, layers: int, hidden: 
     return 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
 
 
-def total_params(cfg, experts: int | None = None) -> int:
+def total_params(cfg: ModelConfig, experts: int | None = None) -> int:
     """Every parameter of the model, the token embedding included; a tied head once.
 
     llama: no biases, RMSNorm weight before attention, before the MLP and at the end.
@@ -169,7 +171,7 @@ def total_params(cfg, experts: int | None = None) -> int:
     return cfg.layers * per_layer + n_moe * (moe_mlp - dense_mlp) + embed + head + final_norm + positions
 
 
-def active_params(cfg) -> int:
+def active_params(cfg: ModelConfig) -> int:
     """Parameters one token uses: every parameter of a dense model; of an MoE model only the
     router, the top_k routed experts and the shared expert of each MoE block."""
     return total_params(cfg, experts=cfg.top_k if moe_layers(cfg) else None)

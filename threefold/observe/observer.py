@@ -85,7 +85,7 @@ class StepObserver:
         self.grid.tp.spans = self.grid.ep.spans = self.recorder
         if self.recorder is None:
             return
-        for part in getattr(engine, "engines", [engine] if engine is not None else []):  # MoE: dense + experts
+        for part in engine.parts if engine is not None else []:  # MoE: dense + experts
             if part.zero == 3:
                 part.store.spans = self.recorder
         for chunk in chunks:

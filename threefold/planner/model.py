@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from threefold.config import ModelConfig
 from threefold.observe.flops import hardware_flops_per_token, moe_layers, total_params, train_flops_per_token
 
 RECOMPUTE = ("none", "selective", "full")
@@ -124,7 +125,7 @@ def _split_cached(layers: int, p: int, v: int, c: float, h: float) -> StageSplit
     return split_layers(layers, p, v, c, h)
 
 
-def model_shape(cfg, causal: bool = True) -> ModelShape:
+def model_shape(cfg: ModelConfig, causal: bool = True) -> ModelShape:
     """Measure `cfg` through observe.flops. `causal=False` counts full attention (Megatron's formula)."""
     s = cfg.seq_len
     empty = dataclasses.replace(cfg, layers=0) if dataclasses.is_dataclass(cfg) else _replace(cfg, layers=0)
@@ -149,7 +150,7 @@ def model_shape(cfg, causal: bool = True) -> ModelShape:
                       num_experts=cfg.num_experts if n_moe else 0, top_k=cfg.top_k if n_moe else 0)
 
 
-def _replace(cfg, **changes):
+def _replace(cfg: ModelConfig, **changes):
     from types import SimpleNamespace
 
     return SimpleNamespace(**{**vars(cfg), **changes})

@@ -1,6 +1,7 @@
 """What `threefold plan` prints: the ranked table, the rejections, the calibration table, and JSON."""
 from __future__ import annotations
 
+from threefold.config import ModelConfig
 from threefold.observe.flops import active_params
 from threefold.planner.cluster import GiB, Cluster
 from threefold.planner.cost import Prediction
@@ -35,7 +36,7 @@ def _columns(cols, rows, left) -> str:
     return "\n".join([fmt(cols)] + [fmt(r) for r in rows])
 
 
-def _model_name(cfg) -> str:
+def _model_name(cfg: ModelConfig) -> str:
     from threefold.config import PRESETS
 
     preset = getattr(cfg, "preset", "")

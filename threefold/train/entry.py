@@ -33,7 +33,7 @@ def start_workers(cfg: Config, measure_memory: bool = False):
     if under_launcher():
         # Started by torchrun (multi-node, Slurm): this process is one worker.
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
-        check_faults(cfg, int(os.environ["WORLD_SIZE"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+        check_faults(cfg.train, int(os.environ["WORLD_SIZE"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
         return run_worker(cfg.to_dict(), measure_memory)
     validate(cfg)
     if cfg.train.device == "cuda":
@@ -44,7 +44,7 @@ def start_workers(cfg: Config, measure_memory: bool = False):
 
             raise ConfigError("train.device", "cuda was asked for but no CUDA device is visible", "valid: auto, cpu")
     world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
-    check_faults(cfg, world)
+    check_faults(cfg.train, world)
     _prepare_once(cfg)
     if world == 1 and cfg.train.max_restarts == 0:
         return run_worker(cfg.to_dict(), measure_memory)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from threefold.config import ModelConfig
 from threefold.distributed.comm import all_reduce_sum
 from threefold.model.moe import MoE, is_moe_layer, moe_layers
 
@@ -22,12 +23,11 @@ class ExpertLoad:
         self.microbatches, self.device = microbatches, device
 
     @classmethod
-    def of(cls, chunks, cfg, device) -> "ExpertLoad":
+    def of(cls, chunks, model: ModelConfig, microbatches: int, device) -> "ExpertLoad":
         """This rank's MoE layers; `microbatches` of the whole global batch."""
-        m = cfg.model
         layers = {i: layer for chunk in chunks for i, layer in moe_layers(chunk).items()}
-        rows = [i for i in range(m.layers) if is_moe_layer(m, i)]
-        return cls(layers, rows, m.layers, m.num_experts, cfg.train.global_batch // cfg.train.micro_batch, device)
+        rows = [i for i in range(model.layers) if is_moe_layer(model, i)]
+        return cls(layers, rows, model.layers, model.num_experts, microbatches, device)
 
     def set_loss_weight(self, loss_scale: float) -> None:
         """Every micro-batch's balance loss counts 1/micro-batches (a mean over the global batch),

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from torch import nn
 
+from threefold.config import TrainConfig
 from threefold.errors import ConfigError
 
 ENV = "THREEFOLD_FAULT"
@@ -81,16 +82,16 @@ def parse(spec: str, key: str = ENV) -> list[Fault]:
     return faults
 
 
-def spec_of(cfg) -> tuple[str, str]:
-    """(spec, where it came from): the environment overrides the config."""
+def spec_of(train: TrainConfig) -> tuple[str, str]:
+    """(spec, where it came from): the environment overrides train.faults."""
     env = os.environ.get(ENV, "")
-    return (env, ENV) if env else (cfg.train.faults, "train.faults")
+    return (env, ENV) if env else (train.faults, "train.faults")
 
 
-def check(cfg, world_size: int, restart_count: int = 0) -> None:
+def check(train: TrainConfig, world_size: int, restart_count: int = 0) -> None:
     """Refuse a malformed spec, or a rank outside the world, before any worker starts. After a
     restart the world may have shrunk (a node left): a fault for a rank now gone is moot."""
-    spec, key = spec_of(cfg)
+    spec, key = spec_of(train)
     for f in parse(spec, key):
         if f.rank is not None and f.rank >= world_size and restart_count == 0:
             raise ConfigError(key, f"{f.kind} names rank {f.rank} but the world has {world_size} ranks",
@@ -107,9 +108,11 @@ class FaultInjector:
         self._poison = False
 
     @classmethod
-    def from_config(cls, cfg, rank: int, restart_count: int) -> "FaultInjector":
-        spec, key = spec_of(cfg)
-        return cls(parse(spec, key), rank, restart_count, run=cfg.log.dir)
+    def from_config(cls, train: TrainConfig, run: str, rank: int, restart_count: int) -> "FaultInjector":
+        """The faults of train.faults (or $THREEFOLD_FAULT) for `rank`; `run` (the log directory)
+        keys which faults have fired in this process."""
+        spec, key = spec_of(train)
+        return cls(parse(spec, key), rank, restart_count, run=run)
 
     def _take(self, kind: str, step: int) -> Fault | None:
         """The fault of `kind` due at `step`, if it has not fired at that step in this process."""

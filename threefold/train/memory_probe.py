@@ -21,6 +21,7 @@ import contextlib
 import torch
 from torch import nn
 
+from threefold.config import Config
 from threefold.distributed import comm
 from threefold.distributed.data_parallel.memory import CATEGORIES, measure_memory
 from threefold.distributed.pipeline.schedules import build_schedule
@@ -52,7 +53,7 @@ def peak_inflight_heads(actions, last_chunk: int | None) -> int:
     return peak
 
 
-def predicted_activation_bytes(cfg, grid, chunks: list[nn.Module], element_size: int) -> float | None:
+def predicted_activation_bytes(cfg: Config, grid, chunks: list[nn.Module], element_size: int) -> float | None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if m.num_experts:
         return None
@@ -83,14 +84,14 @@ class MemoryProbe:
 
     def after_step(self, engine) -> None:
         measured, predicted = dict.fromkeys(CATEGORIES, 0), dict.fromkeys(CATEGORIES, 0.0)
-        for part in getattr(engine, "engines", [engine]):  # dense + expert engines of an MoE model
+        for part in engine.parts:  # dense + expert engines of an MoE model
             report = measure_memory(part)
             for c in CATEGORIES:
                 measured[c] += report.measured[c]
                 predicted[c] += report.predicted[c]
         self.state = {"measured": measured, "predicted": predicted}
 
-    def gather(self, cfg, grid, chunks: list[nn.Module], dtype: torch.dtype) -> list[dict] | None:
+    def gather(self, cfg: Config, grid, chunks: list[nn.Module], dtype: torch.dtype) -> list[dict] | None:
         """Collective over the world: every rank's row, on rank 0 (None elsewhere)."""
         size = torch.empty((), dtype=dtype).element_size()
         row = {"rank": grid.global_rank, "tp": grid.tp_rank, "pp": grid.pp_rank, "dp": grid.dp_rank,

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from threefold.distributed import comm
+from threefold.model.sharding import sharding_of
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -36,10 +37,10 @@ def lr_at(step: int, tcfg) -> float:
 def global_grad_norm(model: nn.Module, groups: list, exclude: tuple = ()) -> torch.Tensor:
     """L2 norm of the whole model's gradient, each logical element counted once.
 
-    A module's parameters listed in its `shard_specs` are split over its `shard_group`: their
-    squared sums are added over that group (divided by `replicas` where several ranks of the
-    group hold the same slice). Everything else is replicated there and counted once. The total
-    is then summed over `groups` (e.g. the pipeline group: each stage owns different layers).
+    A parameter split over a group (its sharding record) has its squared sum added over that
+    group (divided by `replicas` where several ranks of the group hold the same slice).
+    Everything else is replicated there and counted once. The total is then summed over
+    `groups` (e.g. the pipeline group: each stage owns different layers).
     """
     device = next(model.parameters()).device
     replicated = torch.zeros((), dtype=torch.float32, device=device)
@@ -47,19 +48,17 @@ def global_grad_norm(model: nn.Module, groups: list, exclude: tuple = ()) -> tor
     # A tied weight belongs to two modules, and a pipeline's last stage holds a copy of the
     # first stage's embedding (`exclude`): each is counted once.
     seen: set[int] = {id(p) for p in exclude}
-    for module in model.modules():
-        specs, group = getattr(module, "shard_specs", {}), getattr(module, "shard_group", None)
-        for pname, p in module.named_parameters(recurse=False):
-            if p.grad is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            sq = p.grad.detach().float().pow(2).sum()
-            spec = specs.get(pname)
-            if spec is None or group is None or group.size == 1:
-                replicated = replicated + sq
-            else:
-                entry = per_group.setdefault(group.name, [group, torch.zeros_like(replicated)])
-                entry[1] = entry[1] + sq / spec.replicas
+    for p in model.parameters():
+        if p.grad is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        sq = p.grad.detach().float().pow(2).sum()
+        s = sharding_of(p)
+        if not s.split:
+            replicated = replicated + sq
+        else:
+            entry = per_group.setdefault(s.group.name, [s.group, torch.zeros_like(replicated)])
+            entry[1] = entry[1] + sq / s.spec.replicas
     total = replicated
     for group, sq in per_group.values():
         total = total + comm.all_reduce(sq, group)

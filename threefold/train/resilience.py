@@ -19,6 +19,7 @@ import uuid
 import torch
 
 from threefold.checkpoint.writer import Checkpointer
+from threefold.config import Config
 from threefold.distributed.runtime import WorkerEnv
 from threefold.observe.goodput import Goodput, record_fault
 from threefold.train.faults import FaultInjector
@@ -31,7 +32,7 @@ def continues_run(start_step: int) -> bool:
 
 
 class RunGuard:
-    def __init__(self, cfg, grid, chunks: list, state: list, start_step: int, log=print, scaler=None,
+    def __init__(self, cfg: Config, grid, chunks: list, state: list, start_step: int, log=print, scaler=None,
                  faults: FaultInjector | None = None):
         """`scaler`: the engine's loss scaler, whose state each checkpoint carries (fp16).
         `faults`: the injector of an earlier attempt in this process (a rollback), already
@@ -42,7 +43,8 @@ class RunGuard:
         is_logger = grid.global_rank == 0
         self.segment = uuid.uuid4().hex[:8]
         if faults is None:
-            faults = FaultInjector.from_config(cfg, grid.global_rank, WorkerEnv.from_environ().restart_count)
+            faults = FaultInjector.from_config(cfg.train, cfg.log.dir, grid.global_rank,
+                                               WorkerEnv.from_environ().restart_count)
             faults.install(chunks)
         self.faults = faults
         self.health = StepHealth(grid.world, t.nan_rollback_after, t.straggler_steps,

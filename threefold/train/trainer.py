@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from threefold.checkpoint import find_resumable, list_checkpoints, load_into, open_checkpoint, training_state
+from threefold.config import Config
 from threefold.data import GlobalBatchSampler, Prefetcher, load_tokens
 from threefold.data.split import training_part
 from threefold.data.tokenizer import check_vocab, open_tokenizer
@@ -36,9 +37,9 @@ from threefold.distributed.grid import Grid
 from threefold.distributed.parallelize import build_model
 from threefold.distributed.pipeline import bubble_theory
 from threefold.distributed.pipeline.stage import build_stage, tied_head_weights
-from threefold.distributed.tensor_parallel import partial_grad_params
 from threefold.errors import DataError, UserError
 from threefold.inference.evaluate import HeldOut
+from threefold.model.sharding import partial_params
 from threefold.observe import device_peak_flops, peak_memory_bytes, train_flops_per_token, write_run_json
 from threefold.observe.metrics import MetricsWriter
 from threefold.observe.observer import StepObserver
@@ -64,7 +65,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def open_data(cfg):
+def open_data(cfg: Config):
     """Token stream + sampler; refuses a corpus whose ids do not fit the model's vocabulary."""
     d, m = cfg.data, cfg.model
     tokens = load_tokens(d.path, d.vocab, d.dtype, d.cache_dir, d.tokenizer)
@@ -83,7 +84,7 @@ def _quiet(*_args) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg, grid: Grid, device: torch.device, log=print, probe=None, restarted: bool = False):
+    def __init__(self, cfg: Config, grid: Grid, device: torch.device, log=print, probe=None, restarted: bool = False):
         """Build this rank's part of the run and load a checkpoint when checkpoint.resume (or
         init_from) says so; `restarted` (a worker the elastic agent restarted) continues from
         the newest checkpoint in checkpoint.dir, if there is one yet. `probe` (threefold memory's
@@ -97,14 +98,15 @@ class Trainer:
         self.chunks, self.executor = build_stage(cfg, grid, device, partial(build_model, cfg, grid, device),
                                                  self.dtype)
         self.model = nn.ModuleList(self.chunks)  # this rank's pipeline chunks (one without pipelining)
-        self.tied = tied_head_weights(self.chunks, cfg, grid)  # the embedding and its last-stage copy
-        self.tied_copy = [w for c in self.chunks if c.tok_embed is None for w in tied_head_weights([c], cfg, grid)]
+        tied = m.tie_embeddings
+        self.tied = tied_head_weights(self.chunks, tied, grid)  # the embedding and its last-stage copy
+        self.tied_copy = [w for c in self.chunks if c.tok_embed is None for w in tied_head_weights([c], tied, grid)]
         precision = MixedPrecision.from_names(DTYPE_NAMES[self.dtype], t.grad_reduce_dtype, t.loss_scale,
                                               t.initial_loss_scale, t.loss_scale_window)
         self.engine = build_data_parallel(self.chunks, grid, zero=p.zero, bucket_mb=p.bucket_mb, precision=precision,
                                           betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, own_bucket=self.tied)
-        self.expert_load = ExpertLoad.of(self.chunks, cfg, device)
-        self.partial = partial_grad_params(self.model)
+        self.expert_load = ExpertLoad.of(self.chunks, m, t.global_batch // t.micro_batch, device)
+        self.partial = partial_params(self.chunks)  # gradients each TP rank holds a part of
         if self.executor.store is not None:  # zero-bubble W passes add their dW through the engine
             self.executor.store.accumulate = self.engine.accumulate_grad
         self.state = training_state(self.chunks, self.engine, grid,

@@ -33,7 +33,7 @@ import torch
 
 from threefold.distributed import comm
 from threefold.distributed.comm import Group
-from threefold.distributed.data_parallel.layout import Layout
+from threefold.distributed.data_parallel.layout import BucketLayout
 
 
 class Bucket:
@@ -98,7 +98,7 @@ class Bucket:
 
 
 class GradBuckets:
-    def __init__(self, params: list[torch.nn.Parameter], layout: Layout, group: Group, zero: int,
+    def __init__(self, params: list[torch.nn.Parameter], layout: BucketLayout, group: Group, zero: int,
                  grad_dtype: torch.dtype, device: torch.device, grads_as_views: bool):
         self.params, self.layout, self.group, self.zero = params, layout, group, zero
         self.grad_dtype, self.device = grad_dtype, device

@@ -29,6 +29,7 @@ from threefold.distributed.data_parallel.params import FlatParams, ShardedParams
 from threefold.distributed.data_parallel.precision import LossScaler, MixedPrecision
 from threefold.distributed.data_parallel.zero import ZeroAdamW
 from threefold.errors import ConfigError
+from threefold.model.sharding import sharding_of
 
 MiB = 1 << 20
 
@@ -92,6 +93,15 @@ class DataParallel:
         self._index = {id(p): i for i, p in enumerate(params)}
         self._norm_segments = self._tp_norm_segments()
 
+    @property
+    def parts(self) -> list["DataParallel"]:
+        """The engines behind this one (one here; an MoE model's ExpertDataParallel has two)."""
+        return [self]
+
+    def owns(self, param: nn.Parameter) -> bool:
+        """Whether this engine trains `param`."""
+        return id(param) in self._index
+
     # --- backward ---------------------------------------------------------------------------
     def no_sync(self):
         """Accumulate this backward's gradients locally (all micro-batches but the last)."""
@@ -145,21 +155,14 @@ class DataParallel:
     # --- norm, step -------------------------------------------------------------------------
     def _tp_norm_segments(self) -> list:
         """Owned gradient ranges cut by who else holds the same elements: (group, replicas) of
-        a tensor-parallel shard (module.shard_specs over module.shard_group), or None."""
-        modules = [m for chunk in self.chunks for m in chunk.modules()]
-        where: dict[int, tuple] = {}
-        for module in modules:
-            specs, group = getattr(module, "shard_specs", {}), getattr(module, "shard_group", None)
-            for name, p in module.named_parameters(recurse=False):
-                spec = specs.get(name)
-                if spec is not None and group is not None and group.size > 1:
-                    where[id(p)] = (group.name, spec.replicas)
+        a parameter split over a group (its sharding record), or None."""
         self._tp_groups = {}
-        for module in modules:
-            group = getattr(module, "shard_group", None)
-            if group is not None:
-                self._tp_groups[group.name] = group
-        index_key = [where.get(id(p)) for p in self.params]
+        index_key = []
+        for p in self.params:
+            s = sharding_of(p)
+            index_key.append((s.group.name, s.spec.replicas) if s.split else None)
+            if s.split:
+                self._tp_groups[s.group.name] = s.group
 
         # One segment per parameter piece, so grad_norm may leave single parameters out.
         return self._held_segments(lambda slot: (index_key[slot.index], slot.index))

@@ -37,7 +37,7 @@ class ExpertDataParallel:
                                   **kwargs)
         self.experts = DataParallel(chunks, grid, group=grid.expert_dp, only=lambda p: id(p) in expert_ids,
                                     scaler=self.dense.scaler, **kwargs)
-        self.engines = [self.dense, self.experts]
+        self.parts = [self.dense, self.experts]
         self.scaler = self.dense.scaler
 
     @property
@@ -54,18 +54,18 @@ class ExpertDataParallel:
             yield
 
     def finish(self) -> None:
-        for e in self.engines:
+        for e in self.parts:
             e.finish()
 
     def _owner(self, param: nn.Parameter) -> DataParallel:
-        return self.experts if id(param) in self.experts._index else self.dense
+        return self.experts if self.experts.owns(param) else self.dense
 
     def accumulate_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         self._owner(param).accumulate_grad(param, grad)
 
     def all_reduce_grads_of(self, params: list[nn.Parameter], group) -> None:
-        for e in self.engines:
-            e.all_reduce_grads_of([p for p in params if id(p) in e._index], group)
+        for e in self.parts:
+            e.all_reduce_grads_of([p for p in params if e.owns(p)], group)
 
     def grad_norm(self, groups: list = (), exclude: list[nn.Parameter] = ()) -> torch.Tensor:
         """Both engines' squares (each over its own groups: experts once per ep shard), then
@@ -82,12 +82,12 @@ class ExpertDataParallel:
             return False
         if not math.isfinite(norm):
             return False
-        for e in self.engines:
+        for e in self.parts:
             e.apply_update(lr, grad_norm, max_norm)
         return True
 
     def zero_grad(self) -> None:
-        for e in self.engines:
+        for e in self.parts:
             e.zero_grad()
 
     def comm_stats(self) -> dict:
@@ -100,5 +100,5 @@ class ExpertDataParallel:
         return {**self.dense.full_parameters(), **self.experts.full_parameters()}
 
     def close(self) -> None:
-        for e in self.engines:
+        for e in self.parts:
             e.close()

@@ -60,7 +60,7 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class Layout:
+class BucketLayout:
     slots: tuple[Slot, ...]  # indexed by parameter index
     buckets: tuple[Bucket, ...]  # in launch order (first ready first)
     shards: int
@@ -104,7 +104,7 @@ def _pad(n: int, multiple: int) -> int:
 
 
 def build_layout(shapes: list[tuple[int, ...]], bucket_bytes: float, elem_bytes: int, shards: int,
-                 groups: list[list[int]] | None = None, solo: set[int] = frozenset()) -> Layout:
+                 groups: list[list[int]] | None = None, solo: set[int] = frozenset()) -> BucketLayout:
     """Lay out parameters `shapes` (already in gradient-ready order) into buckets.
 
     Without `groups`, a bucket closes once it holds >= bucket_bytes of gradient (a larger
@@ -146,7 +146,7 @@ def build_layout(shapes: list[tuple[int, ...]], bucket_bytes: float, elem_bytes:
         shard_offset += numel // shards
     if sorted(slots) != list(range(len(shapes))):
         raise ValueError("every parameter must be in exactly one group")
-    return Layout(tuple(slots[i] for i in range(len(shapes))), tuple(buckets), shards)
+    return BucketLayout(tuple(slots[i] for i in range(len(shapes))), tuple(buckets), shards)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -23,12 +23,12 @@ from torch import nn
 
 from threefold.distributed import comm
 from threefold.distributed.comm import Group
-from threefold.distributed.data_parallel.layout import Layout
+from threefold.distributed.data_parallel.layout import BucketLayout
 
 READY = "ready"  # unit state: None = freed, READY = gathered, otherwise an in-flight Work
 
 
-def pack_bucket(params: list[torch.Tensor], layout: Layout, b: int, dtype: torch.dtype) -> torch.Tensor:
+def pack_bucket(params: list[torch.Tensor], layout: BucketLayout, b: int, dtype: torch.dtype) -> torch.Tensor:
     """Bucket `b` as one padded flat tensor of `dtype`, from the parameters' current values."""
     bucket = layout.buckets[b]
     flat = torch.zeros(bucket.numel, dtype=dtype, device=params[0].device)
@@ -41,7 +41,7 @@ def pack_bucket(params: list[torch.Tensor], layout: Layout, b: int, dtype: torch
 class FlatParams:
     """ZeRO 0-2: every parameter is a view of one flat buffer of the working dtype."""
 
-    def __init__(self, params: list[nn.Parameter], layout: Layout, dtype: torch.dtype, shard_rank: int):
+    def __init__(self, params: list[nn.Parameter], layout: BucketLayout, dtype: torch.dtype, shard_rank: int):
         self.layout, self.shard_rank = layout, shard_rank
         self.flat = torch.zeros(layout.numel, dtype=dtype, device=params[0].device)  # padding stays 0
         with torch.no_grad():
@@ -63,7 +63,7 @@ class FlatParams:
 class ShardedParams:
     """ZeRO 3: per bucket, this rank's slice persists; the full bucket exists only while used."""
 
-    def __init__(self, params: list[nn.Parameter], layout: Layout, dtype: torch.dtype, group: Group):
+    def __init__(self, params: list[nn.Parameter], layout: BucketLayout, dtype: torch.dtype, group: Group):
         self.layout, self.group, self.dtype = layout, group, dtype
         self.shard = torch.empty(layout.shard_numel, dtype=dtype, device=params[0].device)
         self.full: list[torch.Tensor] = []

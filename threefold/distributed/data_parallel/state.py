@@ -66,15 +66,12 @@ def owned_pieces(engine) -> list[Piece]:
 def refresh_params(engine, step: int) -> None:
     """After loading into the pieces: the optimizer's step count, then the working parameters
     from the fp32 masters (copy down, and re-gather the replicated buffer under ZeRO 1/2)."""
-    if hasattr(engine, "engines"):  # dense + expert engines of an MoE model
-        for part in engine.engines:
-            refresh_params(part, step)
-        return
-    opt = engine.optimizer
-    opt.step_count = step
-    if opt.master_flat is not None:
-        torch._foreach_copy_(opt.param_owned, opt.master)
-    if engine.zero in (1, 2):
-        opt.gather([engine.store.bucket_view(b.index) for b in engine.layout.buckets])
-    elif engine.zero == 3:
-        engine.store.free_all()  # a unit still gathered would hold stale values
+    for part in engine.parts:  # dense + expert engines of an MoE model
+        opt = part.optimizer
+        opt.step_count = step
+        if opt.master_flat is not None:
+            torch._foreach_copy_(opt.param_owned, opt.master)
+        if part.zero in (1, 2):
+            opt.gather([part.store.bucket_view(b.index) for b in part.layout.buckets])
+        elif part.zero == 3:
+            part.store.free_all()  # a unit still gathered would hold stale values

@@ -18,11 +18,11 @@ import torch
 from threefold.distributed import comm
 from threefold.distributed.comm import Group
 from threefold.distributed.data_parallel.adamw import adamw_update
-from threefold.distributed.data_parallel.layout import Layout
+from threefold.distributed.data_parallel.layout import BucketLayout
 
 
 class ZeroAdamW:
-    def __init__(self, layout: Layout, group: Group, zero: int, param_owned: list[torch.Tensor],
+    def __init__(self, layout: BucketLayout, group: Group, zero: int, param_owned: list[torch.Tensor],
                  master_init: list[torch.Tensor] | None, betas: tuple[float, float], eps: float,
                  weight_decay: float):
         """param_owned: per bucket, the working-dtype slice this rank updates. master_init:

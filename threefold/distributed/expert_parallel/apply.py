@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from threefold.config import ModelConfig
 from threefold.distributed.expert_parallel.dispatch import AllToAllDispatcher
 from threefold.distributed.grid import Grid
 from threefold.model.init import ShardSpec
 from threefold.model.moe import Experts, moe_layers
 
 
-def _shard_experts(experts: Experts, group, cfg) -> Experts:
+def _shard_experts(experts: Experts, group, cfg: ModelConfig) -> Experts:
     local = experts.num // group.size
     first = group.rank * local
     mine = Experts(cfg, num=local)
@@ -29,7 +30,7 @@ def _shard_experts(experts: Experts, group, cfg) -> Experts:
     return mine
 
 
-def apply_expert_parallel(model: nn.Module, grid: Grid, cfg) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, grid: Grid, cfg: ModelConfig) -> nn.Module:
     """A no-op without MoE layers or when ep is 1 (every rank holds every expert)."""
     layers = moe_layers(model)
     if not layers or grid.ep.size == 1:

@@ -8,10 +8,11 @@ models can be worth several layers.
 """
 from __future__ import annotations
 
+from threefold.config import ModelConfig
 from threefold.errors import ConfigError
 
 
-def stage_costs(cfg) -> tuple[float, float, float]:
+def stage_costs(cfg: ModelConfig) -> tuple[float, float, float]:
     """(per-layer, first-stage extra, last-stage extra) forward FLOPs per token."""
     from threefold.observe.flops import attention_flops_per_token_per_layer, matmul_weights_per_layer
 
@@ -64,7 +65,7 @@ def parse_stage_layers(text: str, num_layers: int, stages: int) -> list[int]:
     return counts
 
 
-def stage_layer_ids(cfg, pp: int, vpp: int, explicit: str = "") -> list[list[int]]:
+def stage_layer_ids(cfg: ModelConfig, pp: int, vpp: int, explicit: str = "") -> list[list[int]]:
     """Global layer indices of each virtual stage, in virtual-stage order."""
     stages = pp * vpp
     if explicit:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from threefold.config import Config
 from threefold.distributed.grid import Grid
 from threefold.distributed.pipeline.executor import PipelineExecutor, StagePlan
 from threefold.distributed.pipeline.p2p import WireFormat
@@ -13,7 +14,7 @@ from threefold.distributed.pipeline.schedules import build_schedule
 from threefold.distributed.pipeline.weight_grad import WeightGradStore, attach_weight_grad_store
 
 
-def build_stage(cfg, grid: Grid, device: torch.device, build_chunk,
+def build_stage(cfg: Config, grid: Grid, device: torch.device, build_chunk,
                 dtype: torch.dtype = torch.float32) -> tuple[list[nn.Module], PipelineExecutor]:
     """`build_chunk(layer_ids, first, last)` builds one materialized, initialized chunk;
     activations cross stage boundaries in `dtype` (the parameters' dtype)."""
@@ -36,10 +37,10 @@ def build_stage(cfg, grid: Grid, device: torch.device, build_chunk,
     return chunks, PipelineExecutor(StagePlan(chunks, first, last, wire, grid.pp), actions, store)
 
 
-def tied_head_weights(chunks: list[nn.Module], cfg, grid: Grid) -> list[nn.Parameter]:
-    """The embedding (first stage) or its copy in the head (last stage), when the two live on
-    different pipeline ranks; empty otherwise."""
-    if not cfg.model.tie_embeddings or grid.layout.pp == 1:
+def tied_head_weights(chunks: list[nn.Module], tied: bool, grid: Grid) -> list[nn.Parameter]:
+    """The embedding (first stage) or its copy in the head (last stage), when the model ties
+    them (`tied`, model.tie_embeddings) and the two live on different pipeline ranks."""
+    if not tied or grid.layout.pp == 1:
         return []
     out = []
     for chunk in chunks:
