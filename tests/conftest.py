@@ -16,6 +16,19 @@ def cache_dir(tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="session")
+def data(tmp_path_factory, cache_dir) -> str:
+    """The stdlib corpus as a token file (data.path, vocab 256): every run in every rank maps it,
+    which is fast, instead of checking the stdlib cache again (about a second each)."""
+    import numpy as np
+
+    from threefold.data import load_tokens
+
+    path = tmp_path_factory.mktemp("data") / "stdlib.bin"
+    load_tokens("", 0, "uint16", cache_dir).tokens.astype(np.uint16).tofile(path)
+    return str(path)
+
+
 def pytest_addoption(parser):
     parser.addoption("--tolerances", action="store_true",
                      help="list every checked value next to its bound, tightest margin first")
