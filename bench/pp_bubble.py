@@ -51,7 +51,7 @@ def bubble_worker(cases: list[tuple[str, int]], p: int, m: int, forward_s: float
         micro = [(torch.ones(4, 4), torch.zeros(4, 4)) for _ in range(m)]
         bubbles = []
         for _ in range(steps + 1):
-            _, stats = executor.run(micro, loss_scale=1.0)
+            _, stats = executor.run(micro, loss_divisor=1.0)
             busy = sum(stats.compute_s.values())
             bubbles.append(1.0 - busy / stats.wall_s)
         out[schedule] = bubbles[1:]  # the first step warms up the transfers

@@ -14,29 +14,15 @@ Default layout: tiny preset, tp2 x pp2 (4 processes), 1F1B over 4 micro-batches.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stats import show  # noqa: E402
-from timing import cell, ratio, steps_of  # noqa: E402
+from timing import cell, on_off_rounds, ratio, steps_of  # noqa: E402
 
 DEFAULT = ["--model.preset", "tiny", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.microbatches", "4",
            "--train.global_batch", "8", "--train.warmup_steps", "2"]
-
-
-def step_times(extra: list[str], spans: bool, steps: int, warmup: int) -> list[float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "threefold", "train", *extra, "--train.steps", str(steps),
-               "--log.dir", tmp, "--log.quiet", "true", "--log.spans", "true" if spans else "false"]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-        stamps = [json.loads(line)["time"] for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-    return [b - a for a, b in zip(stamps, stamps[1:])][warmup:]
 
 
 def main(argv=None) -> dict:
@@ -51,10 +37,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.rounds, args.steps, args.warmup = 2, 6, 2
     extra = extra or DEFAULT
-    blocks = {"off": [], "on": []}
-    for r in range(args.rounds):
-        for spans in ((False, True) if r % 2 == 0 else (True, False)):
-            blocks["on" if spans else "off"].append(step_times(extra, spans, args.steps, args.warmup))
+    blocks = on_off_rounds(extra, "log.spans", args.rounds, args.steps, args.warmup)
     on_off = ratio(blocks, "on", "off")
     result = {"blocks": blocks, "rounds": args.rounds, "steps": args.steps, "config": " ".join(extra)}
     print(f"{args.rounds} rounds (off/on, order alternating) x {args.steps} steps, the first {args.warmup} "

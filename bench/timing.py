@@ -4,8 +4,14 @@ per round (a list of step seconds per block) for the per-round ratios of bench/s
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 from stats import Interval, paired_ratio
@@ -70,3 +76,26 @@ def cell(samples: list[float]) -> str:
     """"123.4 [110-131]": median [IQR] in milliseconds."""
     med, lo, hi = summary(samples)
     return f"{med * 1e3:.1f} [{lo * 1e3:.0f}-{hi * 1e3:.0f}]"
+
+
+def train_step_times(args: list[str], steps: int, warmup: int) -> list[float]:
+    """Step times of one `threefold train` run (the production launcher) with `args`: the
+    intervals between consecutive metrics lines, after the first `warmup`. Everything a step
+    costs counts, the metrics line included."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "threefold", "train", *args, "--train.steps", str(steps), "--log.dir", tmp,
+               "--log.quiet", "true"]
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
+        stamps = [json.loads(line)["time"] for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    return [b - a for a, b in zip(stamps, stamps[1:])][warmup:]
+
+
+def on_off_rounds(args: list[str], key: str, rounds: int, steps: int, warmup: int) -> Blocks:
+    """`rounds` pairs of `threefold train` runs with `key` true and false, the order alternating
+    between rounds to cancel machine drift: {"on": [...], "off": [...]} per round."""
+    blocks: Blocks = {"off": [], "on": []}
+    for r in range(rounds):
+        for on in ((False, True) if r % 2 == 0 else (True, False)):
+            value = "true" if on else "false"
+            blocks["on" if on else "off"].append(train_step_times([*args, f"--{key}", value], steps, warmup))
+    return blocks

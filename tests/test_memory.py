@@ -7,7 +7,7 @@ import pytest
 
 from harness import within
 from threefold.distributed.pipeline.schedules import build_schedule
-from threefold.train.memory_probe import peak_inflight_heads, peak_inflight_layers
+from threefold.train.memory_probe import peak_inflight, peak_inflight_layers
 
 
 @pytest.mark.parametrize("schedule, p, m, v, rank, layers, heads", [
@@ -20,8 +20,8 @@ from threefold.train.memory_probe import peak_inflight_heads, peak_inflight_laye
 def test_in_flight_microbatches_follow_the_schedule(schedule, p, m, v, rank, layers, heads):
     actions = build_schedule(schedule, p, m, v)[rank]
     assert peak_inflight_layers(actions, [1] * v) == layers
-    assert peak_inflight_heads(actions, v - 1) == heads
-    assert peak_inflight_heads(actions, None) == 0
+    assert peak_inflight(actions, {v - 1}) == heads
+    assert peak_inflight(actions, set()) == 0
 
 
 def _memory(*args, timeout=300):
@@ -47,6 +47,23 @@ def test_memory_command_measures_every_rank_against_the_formulas(cache_dir):
         within(f"rank {r['rank']} optimizer / params - 1", abs(meas["optimizer"] / meas["params"] - 1), 0)
     first, last = rows[0]["measured"]["activations"], rows[2]["measured"]["activations"]
     assert first > last  # 1F1B: the first stage holds p micro-batches, the last one
+
+
+def test_sent_outputs_are_freed_before_their_backward(cache_dir):
+    """GPipe holds every micro-batch's activations on stage 0 at once: without
+    parallel.free_sent_outputs it also keeps all m outputs, with it only the one being made."""
+    m, seq, micro, hidden = 4, 64, 2, 128  # the tiny preset's width
+    peak = {}
+    for free in ("true", "false"):
+        out = _memory("--parallel.pp", "2", "--parallel.schedule", "gpipe", "--train.global_batch", str(m * micro),
+                      "--train.micro_batch", str(micro), "--model.seq_len", str(seq), "--parallel.free_sent_outputs",
+                      free, "--data.cache_dir", cache_dir, "--json")
+        assert out.returncode == 0, out.stderr
+        rows = [r for r in json.loads(out.stdout) if r["pp"] == 0]
+        peak[free] = rows[0]["measured"]["activations"]
+        within(f"stage 0 activations, free_sent_outputs {free}: measured / predicted - 1",
+               abs(peak[free] / rows[0]["predicted"]["activations"] - 1), 0.03)
+    assert peak["false"] - peak["true"] == (m - 1) * seq * micro * hidden * 4  # fp32 [seq, micro, hidden] each
 
 
 def test_memory_command_bad_key_is_one_line():

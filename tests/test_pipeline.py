@@ -86,7 +86,7 @@ def _stage0_peak(schedule: str, m: int) -> int:
     chunks, executor = build_stage(cfg, grid, device, lambda ids, f, l: build_model(cfg, grid, device, ids, f, l))
     batches = [(torch.randint(0, 256, (1, 64)), torch.randint(0, 256, (1, 64))) for _ in range(m)]
     with LiveActivationMeter(torch.nn.ModuleList(chunks)) as meter:
-        executor.run(batches, loss_scale=float(m * 64))
+        executor.run(batches, loss_divisor=float(m * 64))
     shutdown_distributed()
     return meter.peak_bytes
 

@@ -24,7 +24,8 @@ from tp_checks import resolved, run_plan
 from threefold.config import build_config
 from threefold.data import load_tokens
 from threefold.distributed.grid import Group
-from threefold.distributed.tensor_parallel import apply_tensor_parallel, partial_grad_params
+from threefold.distributed.tensor_parallel import apply_tensor_parallel
+from threefold.model.sharding import declare, partial_params
 from threefold.errors import ConfigError
 from threefold.model.transformer import Transformer
 from threefold.observe.activations import layer_activation_elements
@@ -67,6 +68,8 @@ def spawn(tp: int, root: Path, cache_dir: str, base: dict) -> dict:
     plan = [("layers", {"sp": False}), ("layers", {"sp": True})]
     plan += [("model", {"parallel.tp": tp, "parallel.sp": sp, **SMALL}) for sp in (False, True)]
     plan += [("model", {"parallel.tp": tp, "parallel.sp": True, "train.recompute": "full", **SMALL})]
+    plan += [("model", {"parallel.tp": tp, "parallel.sp": sp, "parallel.tp_comm_overlap": False, **SMALL})
+             for sp in (False, True)]
     plan += [("model", {"parallel.tp": tp, "parallel.sp": sp, "model.arch": "gpt2", "model.kv_heads": 4,
                         "model.tie_embeddings": True, **SMALL}) for sp in (False, True)]
     plan += [("dropout", {"parallel.tp": tp, "parallel.sp": True, "model.dropout": 0.2, **SMALL})]
@@ -130,7 +133,9 @@ def _meta_model(tp: int, sp: bool, **over):
     with torch.device("meta"):
         model = Transformer(cfg)
         names = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        apply_tensor_parallel(model, SimpleNamespace(tp=Group("tp", list(range(tp)), None)), sp)
+        tp_group = Group("tp", list(range(tp)), None)
+        apply_tensor_parallel(model, SimpleNamespace(tp=tp_group), sp)
+        declare(model, tp_group)
     return model, names
 
 
@@ -144,14 +149,14 @@ def test_parallel_model_keeps_names_and_declares_every_shard():
     for module in model.modules():
         for name, spec in getattr(module, "shard_specs", {}).items():
             assert spec.length * 4 == spec.full_shape[spec.dim]
-    partial = {id(p) for p in partial_grad_params(model)}
+    partial = {id(p) for p in partial_params([model])}
     assert id(blk.attn_norm.weight) in partial and id(blk.attn.wk.weight) in partial
     assert id(model.norm.weight) in partial and id(blk.attn.wq.weight) not in partial
 
 
 def test_without_sp_only_shared_kv_heads_need_a_gradient_sum():
     model, _ = _meta_model(2, sp=False)  # kv_heads 2 = tp: kv heads are split, nothing shared
-    assert partial_grad_params(model) == []
+    assert partial_params([model]) == []
     model, _ = _meta_model(2, sp=False, **{"model.arch": "gpt2", "model.kv_heads": 4, "model.tie_embeddings": True})
     assert model.head.weight is model.tok_embed.weight
 
@@ -187,9 +192,11 @@ def test_layers_match_unsharded_reference(spawned):
 
 @pytest.mark.parametrize("spawned", [2, 4], indirect=True)
 def test_whole_model_matches_unsharded(spawned):
-    # Init slices, loss, logits and all gradients: llama sp off/on, full recompute, gpt2 tied.
-    assert len(spawned["model"]) == 5
-    cases = ("llama", "llama sp", "llama sp full recompute", "gpt2", "gpt2 sp")
+    # Init slices, loss, logits and all gradients: llama sp off/on, full recompute, without the dW
+    # overlap, gpt2 tied.
+    assert len(spawned["model"]) == 7
+    cases = ("llama", "llama sp", "llama sp full recompute", "llama no overlap", "llama sp no overlap", "gpt2",
+             "gpt2 sp")
     for case, diffs in zip(cases, spawned["model"]):
         assert set(diffs) == {"init", "loss per token", "grad", "logits"}
         for kind, (diff, bound, label) in diffs.items():

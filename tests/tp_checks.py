@@ -22,7 +22,8 @@ from threefold.distributed.runtime import init_distributed, shutdown_distributed
 from threefold.distributed.data_parallel import DataParallel
 from threefold.distributed.finalize import finalize_grads
 from threefold.distributed.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                                   partial_grad_params, vocab_parallel_cross_entropy)
+                                                   vocab_parallel_cross_entropy)
+from threefold.model.sharding import partial_params
 from threefold.distributed.tensor_parallel.mappings import gather_from_tensor_region
 from threefold.validate import validate
 
@@ -66,20 +67,24 @@ def check_layers(tp: Group, sp: bool) -> Diffs:
     torch.manual_seed(0)
     s, b, h, f, vocab = 8, 2, 12, 16, 24
     d = Diffs()
-    # Column-parallel: output features split; input copied (or gathered from sequence shards).
-    ref, col = nn.Linear(h, f), ColumnParallelLinear(h, f, tp, bias=True, sp=sp)
-    _load(col, ref)
-    x, gy = torch.randn(s, b, h), torch.randn(s, b, f)
-    xr, xl = x.clone().requires_grad_(), (seq_shard(x, tp) if sp else x).clone().requires_grad_()
-    yr, yl = ref(xr), col(xl)
-    spec = col.shard_specs["weight"]
-    (yr * gy).sum().backward()
-    (yl * shard(gy, SimpleNamespace(dim=2, start=spec.start, length=spec.length))).sum().backward()
-    d.close("column out", yl, yr[..., spec.start:spec.start + spec.length])
-    d.close("column gathered", gather_from_tensor_region(yl.detach(), tp), yr)
-    for name in ("weight", "bias"):
-        d.close(f"column d{name}", *_grad_of(col, name, ref))
-    d.close("column dx", xl.grad, seq_shard(xr.grad, tp) if sp else xr.grad)
+    # Column-parallel: output features split; input copied (or gathered from sequence shards);
+    # with overlap its dW is computed by the entry while the dX collective is in flight.
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        tag = "column" + (" overlap" if overlap else "")
+        ref, col = nn.Linear(h, f), ColumnParallelLinear(h, f, tp, bias=True, sp=sp, overlap=overlap)
+        _load(col, ref)
+        x, gy = torch.randn(s, b, h), torch.randn(s, b, f)
+        xr, xl = x.clone().requires_grad_(), (seq_shard(x, tp) if sp else x).clone().requires_grad_()
+        yr, yl = ref(xr), col(xl)
+        spec = col.shard_specs["weight"]
+        (yr * gy).sum().backward()
+        (yl * shard(gy, SimpleNamespace(dim=2, start=spec.start, length=spec.length))).sum().backward()
+        d.close(f"{tag} out", yl, yr[..., spec.start:spec.start + spec.length])
+        d.close(f"{tag} gathered", gather_from_tensor_region(yl.detach(), tp), yr)
+        for name in ("weight", "bias"):
+            d.close(f"{tag} d{name}", *_grad_of(col, name, ref))
+        d.close(f"{tag} dx", xl.grad, seq_shard(xr.grad, tp) if sp else xr.grad)
     # Row-parallel: input features split; partial outputs all-reduced (reduce-scattered under SP).
     ref, row = nn.Linear(f, h), RowParallelLinear(f, h, tp, bias=True, sp=sp)
     _load(row, ref)
@@ -144,7 +149,7 @@ def with_engine(model: nn.Module, grid: Grid) -> DataParallel:
 
 def finalize(model: nn.Module, engine: DataParallel, grid: Grid) -> None:
     """Every reduction after backward, as the trainer runs them (TP partial sums included)."""
-    finalize_grads(engine, grid, partial_grad_params(model), [], [])
+    finalize_grads(engine, grid, partial_params([model]), [], [])
 
 
 def check_model(grid: Grid, overrides: dict) -> Diffs:

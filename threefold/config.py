@@ -78,6 +78,10 @@ class ParallelConfig:
                             "last micro-batch's backward; after = once backward has ended; every = after every "
                             "micro-batch (ZeRO 2/3: one micro-batch of unreduced gradients alive)",
                             ("overlap", "after", "every"))
+    tp_comm_overlap: bool = knob(True, "Run tensor-parallel backward's input-gradient all-reduce (reduce-scatter "
+                                 "under SP) while the weight-gradient matmuls compute")
+    free_sent_outputs: bool = knob(True, "Free a pipeline stage's output once it is sent, keeping only its graph for "
+                                   "backward")
 
 
 @dataclass

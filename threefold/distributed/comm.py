@@ -193,6 +193,14 @@ def all_to_all(out: torch.Tensor, x: torch.Tensor, group: Group, out_splits: lis
     return out
 
 
+def wait(work, group: Group) -> None:
+    """Wait for an asynchronous call on `group` (None: a group of one issued nothing); timed as
+    the group's span category, like the call."""
+    if work is not None:
+        with _timed(group):
+            work.wait()
+
+
 def barrier(group: Group) -> None:
     if group.size > 1:
         dist.barrier(group=group.pg)

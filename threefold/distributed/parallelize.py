@@ -32,7 +32,7 @@ def build_model(cfg: Config, grid: Grid, device: torch.device, layer_ids: list[i
     and the head and loss if `last`)."""
     with on_meta():
         model = Transformer(cfg.model, layer_ids, first, last)
-        apply_tensor_parallel(model, grid, cfg.parallel.sp)
+        apply_tensor_parallel(model, grid, cfg.parallel.sp, cfg.parallel.tp_comm_overlap)
         apply_expert_parallel(model, grid, cfg.model)
     apply_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
     materialize(model, device)

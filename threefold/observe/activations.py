@@ -150,6 +150,11 @@ class LiveActivationMeter:
         self._refs[key] += 1
         return _Held(t, self, key)
 
+    def hold(self, t: torch.Tensor) -> "_Held":
+        """Count `t` as held for backward by someone other than autograd (a pipeline stage's
+        output waiting for its gradient) until the returned token is dropped."""
+        return self._pack(t)
+
     def _release(self, key: int) -> None:
         self._refs[key] -= 1
         if self._refs[key] == 0:

@@ -3,8 +3,10 @@
 Measured, on every rank:
   params / grads / optimizer   live tensors of the data-parallel engine(s), each storage once,
                                after the optimizer step and before zero_grad (ZeRO's point)
-  activations                  the peak bytes autograd held for backward at any moment of the
-                               step's pipeline schedule (LiveActivationMeter), parameters excluded
+  activations                  the peak bytes held for backward at any moment of the step's
+                               pipeline schedule (LiveActivationMeter): what autograd saved, and
+                               the stage outputs the executor keeps (until sent, or until their
+                               backward without parallel.free_sent_outputs); parameters excluded
 Predicted:
   params / grads / optimizer   ZeRO's formulas on this rank's parameter count
                                (data_parallel/memory.py: 2P + 2P + 12P, ..., 16P/N)
@@ -41,13 +43,11 @@ def peak_inflight_layers(actions, layers_per_chunk: list[int]) -> int:
     return peak
 
 
-def peak_inflight_heads(actions, last_chunk: int | None) -> int:
-    """Micro-batches in flight on the chunk that computes the loss (0 if this rank has none)."""
-    if last_chunk is None:
-        return 0
+def peak_inflight(actions, chunks: set[int]) -> int:
+    """Most micro-batches in flight at once over `chunks` (0 if the set is empty)."""
     live = peak = 0
     for a in actions:
-        if a.chunk == last_chunk and a.kind in ("F", "B"):
+        if a.chunk in chunks and a.kind in ("F", "B"):
             live += 1 if a.kind == "F" else -1
             peak = max(peak, live)
     return peak
@@ -61,12 +61,16 @@ def predicted_activation_bytes(cfg: Config, grid, chunks: list[nn.Module], eleme
     per_layer = layer_activation_elements(s, b, h, m.heads, m.kv_heads, m.ffn_hidden, p.tp, p.sp, t.recompute)
     actions = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp)[grid.pp_rank]
     layers = [len(c.layers) for c in chunks]
-    last = next((i for i, c in enumerate(chunks) if c.head is not None), None)
+    heads = {i for i, c in enumerate(chunks) if c.head is not None}
     # Last stage per micro-batch: final-norm input and output (sbh each, sequence-split under SP)
     # and the fp32 logits the loss keeps (sbV/t).
-    head = 2 * s * b * h / (p.tp if p.sp else 1) * element_size + 4 * s * b * m.vocab / p.tp
-    return (peak_inflight_layers(actions, layers) * per_layer * element_size
-            + peak_inflight_heads(actions, last) * head)
+    sbh = s * b * h / (p.tp if p.sp else 1) * element_size
+    head = 2 * sbh + 4 * s * b * m.vocab / p.tp
+    # A chunk that sends its output keeps it until its backward; with parallel.free_sent_outputs
+    # only until it is sent, so at the peak (the end of a forward) just the output being made.
+    senders = set(range(len(chunks))) - heads
+    held = (min(1, len(senders)) if p.free_sent_outputs else peak_inflight(actions, senders)) * sbh
+    return peak_inflight_layers(actions, layers) * per_layer * element_size + peak_inflight(actions, heads) * head + held
 
 
 class MemoryProbe:
@@ -79,7 +83,7 @@ class MemoryProbe:
     @contextlib.contextmanager
     def watch(self, chunks: list[nn.Module]):
         with LiveActivationMeter(nn.ModuleList(chunks)) as meter:
-            yield
+            yield meter
         self.activations = meter.peak_bytes
 
     def after_step(self, engine) -> None:

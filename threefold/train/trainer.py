@@ -197,11 +197,12 @@ class Trainer:
         mode = self.cfg.parallel.grad_reduce
         if mode == "every" and engine.zero < 2:  # dp 1 runs ZeRO as stage 0: nothing to reduce
             mode = "overlap"
-        with self.probe.watch(self.chunks) if self.probe else contextlib.nullcontext(), \
+        with self.probe.watch(self.chunks) if self.probe else contextlib.nullcontext() as meter, \
                 engine.no_sync() if mode == "after" else contextlib.nullcontext():
+            # Backward runs on the loss over the step's tokens, times a dynamic loss scale (fp16).
             loss_sum, pipe = self.executor.run(batches, self.tokens_per_step / engine.loss_scale,
                                                no_sync=engine.no_sync if mode == "overlap" else None,
-                                               spans=self.observer.recorder)
+                                               spans=self.observer.recorder, meter=meter)
         compute_s = self.guard.compute_time(step, pipe)
         norm = finalize_grads(engine, grid, self.partial, self.tied, self.tied_copy, phase)
         with phase("optimizer"):

@@ -65,9 +65,56 @@ class StagePlan:
     group: Group
 
 
+class _SentOutput(torch.autograd.Function):
+    """A scalar standing in for a stage output that was sent and then freed (Megatron's
+    deallocate_output_tensor, without rewriting `.data`): the output's graph stays, its
+    [seq, micro-batch, hidden] buffer goes. Backward from the scalar feeds the gradient the next
+    stage sent back into that graph. Nothing is saved; the gradient waits on the node itself."""
+
+    @staticmethod
+    def forward(ctx, out):
+        ctx.incoming = None
+        return out.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        grad, ctx.incoming = ctx.incoming, None
+        return grad
+
+
+def _backward_from_sent(stand_in: torch.Tensor, grad: torch.Tensor) -> None:
+    stand_in.grad_fn.incoming = grad
+    torch.autograd.backward(stand_in)
+
+
+@dataclass
+class _InFlight:
+    """What one step holds between actions, keyed by (micro-batch, chunk)."""
+
+    inputs: dict = field(default_factory=dict)
+    """Received activations; their .grad goes back to the previous stage."""
+    outputs: dict = field(default_factory=dict)
+    """What B runs backward from: the last stage's scaled loss, or an output not freed yet."""
+    stand_ins: dict = field(default_factory=dict)
+    """The _SentOutput scalar of each output that was sent and freed."""
+    grads_from_next: dict = field(default_factory=dict)
+    grads_to_prev: dict = field(default_factory=dict)
+    held: dict = field(default_factory=dict)
+    """A memory meter's token per output this rank still holds (only with a meter)."""
+    sends: list = field(default_factory=list)
+    """Send requests to wait on at the end of the step (gloo, without free_sent_outputs)."""
+
+    def empty(self) -> bool:
+        return not (self.inputs or self.outputs or self.stand_ins or self.grads_from_next or self.grads_to_prev or self.held)
+
+
 class PipelineExecutor:
-    def __init__(self, plan: StagePlan, actions: list[Action], weight_store: WeightGradStore | None = None):
+    def __init__(self, plan: StagePlan, actions: list[Action], weight_store: WeightGradStore | None = None,
+                 free_sent_outputs: bool = True):
+        """`free_sent_outputs`: drop each stage output once its send completed, keeping only its
+        graph for backward (one [seq, micro-batch, hidden] buffer less per micro-batch in flight)."""
         self.plan, self.steps, self.store = plan, group_batches(actions), weight_store
+        self.free_sent_outputs = free_sent_outputs
         if any(a.kind == "W" for a in actions) and weight_store is None:
             raise ValueError("a schedule with W actions needs a WeightGradStore on its linear layers")
         # The action after which a chunk's weight gradients are complete: its last W, else last B.
@@ -77,110 +124,122 @@ class PipelineExecutor:
                 last[a.chunk] = (a.kind, (a.microbatch, a.chunk))
         self.final_grad_actions = set(last.values())
 
-    def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
-            autocast=contextlib.nullcontext, no_sync=None, spans=None) -> tuple[torch.Tensor, PipelineStats]:
-        """Run one step's schedule; returns the summed (unscaled) loss of the micro-batches
-        whose last stage is here (zero elsewhere) and this rank's timing. `no_sync()`, when
-        given, wraps every gradient-producing action but each chunk's last one, so gradient
-        reduction starts only when a chunk's gradients are final (data parallelism). `spans`:
-        a span recorder timing each action, or None."""
-        plan, stats = self.plan, PipelineStats()
+    def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_divisor: float,
+            autocast=contextlib.nullcontext, no_sync=None, spans=None, meter=None) -> tuple[torch.Tensor, PipelineStats]:
+        """Run one step's schedule; returns the summed loss of the micro-batches whose last stage
+        is here (zero elsewhere; backward runs on it divided by `loss_divisor`) and this rank's
+        timing. `no_sync()`, when given, wraps every gradient-producing action but each chunk's
+        last one, so gradient reduction starts only when a chunk's gradients are final (data
+        parallelism). `spans`: a span recorder timing each action, or None. `meter`: a
+        LiveActivationMeter that also counts the stage outputs this rank holds, or None."""
+        plan, stats, state = self.plan, PipelineStats(), _InFlight()
         span = _untimed if spans is None else spans.span
         device = plan.wire.device
-        inputs: dict[tuple[int, int], torch.Tensor] = {}
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
-        grads_from_next: dict[tuple[int, int], torch.Tensor] = {}
-        grads_to_prev: dict[tuple[int, int], torch.Tensor] = {}
-        pending_sends: list = []
         # fp64: the reported loss is a sum over every token of the step, in an order that depends
         # on the layout; in fp32 its last bit (~5e-7 of a per-token loss near 5) would differ.
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         start = time.perf_counter()
         for step in self.steps:
             if isinstance(step, tuple):
-                self._exchange(step, inputs, outputs, grads_from_next, grads_to_prev, pending_sends, stats, span)
+                self._exchange(step, state, stats, span)
                 continue
             key = (step.microbatch, step.chunk)
             t0 = time.perf_counter()
             with span(_SPAN_OF[step.kind], step):
                 if step.kind == "F":
-                    loss_sum += self._forward(step, key, microbatches, inputs, outputs, loss_scale, autocast)
+                    loss_sum += self._forward(step, key, microbatches, state, loss_divisor, autocast, meter)
                 else:
                     final = no_sync is None or (step.kind, key) in self.final_grad_actions
                     with contextlib.nullcontext() if final else no_sync():
                         if step.kind == "B":
-                            self._backward(step, key, inputs, outputs, grads_from_next, grads_to_prev)
+                            self._backward(step, key, state)
                         else:
                             self.store.run(key)
             stats.compute_s[step.kind] += time.perf_counter() - t0
         with span("pp_p2p", "finish sends"):
-            for work in pending_sends:
+            for work in state.sends:
                 work.wait()
+            state.sends.clear()
         stats.wall_s = time.perf_counter() - start
         if spans is not None and plan.group.size > 1:  # after wall_s: PipelineStats stay as without spans
             with span("pp_bubble", "pipeline flush"):
                 comm.all_reduce(torch.zeros(1, device=device), plan.group)
-        if inputs or outputs or grads_from_next or grads_to_prev or (self.store and self.store.pending):
+        if not state.empty() or (self.store and self.store.pending):
             raise RuntimeError("pipeline schedule left work unfinished: a schedule bug")
         return loss_sum, stats
 
-    def _forward(self, action, key, microbatches, inputs, outputs, loss_scale, autocast) -> torch.Tensor:
+    def _forward(self, action, key, microbatches, state: _InFlight, loss_divisor, autocast, meter) -> torch.Tensor:
         c, plan = action.chunk, self.plan
         tokens, targets = microbatches[action.microbatch]
-        x = tokens.to(plan.wire.device, non_blocking=True) if plan.first[c] else inputs[key]
+        x = tokens.to(plan.wire.device, non_blocking=True) if plan.first[c] else state.inputs[key]
         with autocast():
             out = plan.chunks[c](x, targets.to(plan.wire.device, non_blocking=True) if plan.last[c] else None)
         if plan.last[c]:
-            outputs[key] = out / loss_scale
+            state.outputs[key] = out / loss_divisor
             return out.detach()
-        outputs[key] = out
+        state.outputs[key] = out
+        if meter is not None:
+            state.held[key] = meter.hold(out)
         return torch.zeros((), device=plan.wire.device)
 
-    def _backward(self, action, key, inputs, outputs, grads_from_next, grads_to_prev) -> None:
+    def _backward(self, action, key, state: _InFlight) -> None:
         c, plan = action.chunk, self.plan
-        out = outputs.pop(key)
-        grad = None if plan.last[c] else grads_from_next.pop(key)
+        grad = None if plan.last[c] else state.grads_from_next.pop(key)
+        state.held.pop(key, None)
         with self.store.defer(key) if self.store is not None else contextlib.nullcontext():
-            torch.autograd.backward(out, grad)
+            if key in state.stand_ins:
+                _backward_from_sent(state.stand_ins.pop(key), grad)
+            else:
+                torch.autograd.backward(state.outputs.pop(key), grad)
         if not plan.first[c]:
-            x = inputs.pop(key)
-            grads_to_prev[key] = x.grad
+            state.grads_to_prev[key] = state.inputs.pop(key).grad
 
-    def _exchange(self, batch, inputs, outputs, grads_from_next, grads_to_prev, pending_sends, stats,
-                  span=_untimed) -> None:
+    def _exchange(self, batch, state: _InFlight, stats: PipelineStats, span=_untimed) -> None:
         with span("pp_p2p", batch):
-            works, received = self._post(batch, inputs, outputs, grads_to_prev, stats)
+            works, sent, received = self._post(batch, state, stats)
         t0 = time.perf_counter()
         with span("pp_bubble", batch):
-            if len(works) == len(batch):  # one request per op (gloo): sends may complete later
+            if len(works) != len(batch) or self.free_sent_outputs:
+                # A coalesced batch (NCCL returns one request) lands its receives only when it
+                # completes; and a gloo send request holds its buffer - with free_sent_outputs the
+                # output - until waited on. Waiting for a batch's sends with its receives is the
+                # rule check_schedule proves every schedule deadlock-free under.
+                for work in works:
+                    work.wait()
+            else:  # one request per op (gloo): sends are waited on at the end of the step
                 for a, work in zip(batch, works):
                     if a.kind.startswith("RECV"):
                         work.wait()
                     else:
-                        pending_sends.append(work)
-            else:  # a coalesced batch (NCCL returns one request): its receives land only when it completes
-                for work in works:
-                    work.wait()
+                        state.sends.append(work)
+        del sent  # the freed outputs' meter tokens: released with their send requests
         stats.recv_wait_s += time.perf_counter() - t0
         for kind, key, tensor in received:
             if kind == "RECV_F":
-                inputs[key] = tensor.requires_grad_()
+                state.inputs[key] = tensor.requires_grad_()
             else:
-                grads_from_next[key] = tensor
+                state.grads_from_next[key] = tensor
 
-    def _post(self, batch, inputs, outputs, grads_to_prev, stats):
-        """Post one batch of sends and receives; returns (requests, [(kind, key, buffer)])."""
-        plan, ops, received = self.plan, [], []
+    def _post(self, batch, state: _InFlight, stats: PipelineStats):
+        """Post one batch of sends and receives; returns (requests, the meter token of each op
+        (None but for a freed output), [(kind, key, buffer)] received)."""
+        plan, ops, sent, received = self.plan, [], [], []
         for a in batch:
-            key = (a.microbatch, a.chunk)
+            key, token = (a.microbatch, a.chunk), None
             if a.kind == "SEND_F":
-                tensor = outputs[key].detach().contiguous()
+                tensor = state.outputs[key].detach().contiguous()
+                if self.free_sent_outputs:
+                    # The send request keeps the buffer alive until it completes; after that only
+                    # the graph remains (and the meter's token travels with the request).
+                    state.stand_ins[key] = _SentOutput.apply(state.outputs.pop(key))
+                    token = state.held.pop(key, None)
             elif a.kind == "SEND_B":
-                tensor = grads_to_prev.pop(key).contiguous()
+                tensor = state.grads_to_prev.pop(key).contiguous()
             else:
                 tensor = plan.wire.empty()
                 received.append((a.kind, key, tensor))
             if a.kind.startswith("SEND"):
                 stats.sent_bytes += comm.nbytes(tensor)
             ops.append(("send" if a.kind.startswith("SEND") else "recv", tensor, a.peer))
-        return comm.batch_send_recv(ops, plan.group), received
+            sent.append(token)
+        return comm.batch_send_recv(ops, plan.group), sent, received

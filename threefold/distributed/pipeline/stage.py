@@ -34,7 +34,9 @@ def build_stage(cfg: Config, grid: Grid, device: torch.device, build_chunk,
         store = WeightGradStore()
         attach_weight_grad_store(chunks, store)
     actions = build_schedule(cfg.parallel.schedule, p, m, v)[grid.pp_rank]
-    return chunks, PipelineExecutor(StagePlan(chunks, first, last, wire, grid.pp), actions, store)
+    executor = PipelineExecutor(StagePlan(chunks, first, last, wire, grid.pp), actions, store,
+                                free_sent_outputs=cfg.parallel.free_sent_outputs)
+    return chunks, executor
 
 
 def tied_head_weights(chunks: list[nn.Module], tied: bool, grid: Grid) -> list[nn.Parameter]:

@@ -1,4 +1,4 @@
-"""Apply tensor (and sequence) parallelism to a plain Transformer by swapping its modules.
+"""Apply tensor (and sequence) parallelism to a plain Transformer: a plan of module names.
 
 Per block (Megatron's layout; activations [seq, batch, hidden]):
 
@@ -8,91 +8,112 @@ Per block (Megatron's layout; activations [seq, batch, hidden]):
 ENTER is one collective shared by the sibling projections (installed as a forward pre-hook on
 the attention / MLP module, the way DTensor's PrepareModuleInput works): identity forward and
 all-reduce backward without SP; all-gather over the sequence forward and reduce-scatter
-backward with SP. LEAVE lives in the row-parallel linear: all-reduce, or reduce-scatter under
-SP. Under SP everything between LEAVE and the next ENTER (norms, dropout, residual adds) runs on
-seq/tp rows, so those activations shrink by tp too (Korthikanti et al. 2022).
+backward with SP (tensor_parallel/region.py; with overlap the projections' dW matmuls run
+while that collective is in flight). LEAVE lives in the row-parallel linear: all-reduce, or
+reduce-scatter under SP. Under SP everything between LEAVE and the next ENTER (norms, dropout,
+residual adds) runs on seq/tp rows, so those activations shrink by tp too (Korthikanti et al. 2022).
 
-Parameter names stay those of the plain model, so initialization and checkpoints do not depend
-on the layout. GQA: with kv_heads >= tp the kv heads are split like the query heads; with
-kv_heads < tp every rank keeps wk/wv whole and uses the kv head serving its query heads.
+`TP_PLAN` says what each module of the plain model becomes, by name pattern ('*' is one name:
+a layer index); `apply_plan` interprets any such table, so a model of another shape brings its
+own. Parameter names stay those of the plain model, so initialization and checkpoints do not
+depend on the layout. GQA: with kv_heads >= tp the kv heads are split like the query heads;
+with kv_heads < tp every rank keeps wk/wv whole and uses the kv head serving its query heads.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from functools import partial
+from typing import Callable
 
 from torch import nn
 
 from threefold.distributed.grid import Grid, Group
 from threefold.distributed.tensor_parallel.layers import (ColumnParallelLinear, HeadSliceLinear, RowParallelLinear,
-                                                           VocabParallelEmbedding, enter_tensor_region,
-                                                           vocab_parallel_cross_entropy)
+                                                           VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from threefold.distributed.tensor_parallel.mappings import (all_gather_dim0, gather_to_replicated,
                                                              scatter_to_sequence_region)
+from threefold.distributed.tensor_parallel.region import enter
 from threefold.model.moe import MoE
 
 
-class EnterRegion:
-    """Forward pre-hook: the module's input enters the tensor-parallel region once."""
+@dataclass(frozen=True)
+class PlanContext:
+    """What a plan's styles need besides the module: the group, the switches, the whole model."""
 
-    def __init__(self, group: Group, sp: bool):
-        self.group, self.sp = group, sp
+    tp: Group
+    sp: bool
+    overlap: bool
+    model: nn.Module
+    tied: bool = False
+    """The plain model's head shares the embedding's weight."""
+
+
+Style = Callable[[nn.Module, PlanContext], "nn.Module | None"]
+"""A module -> its replacement (None: changed in place)."""
+
+
+class EnterRegion:
+    """Forward pre-hook: the module's input enters the tensor-parallel region once, for every
+    column-parallel child (their weights are the ones whose dW may overlap the collective)."""
+
+    def __init__(self, group: Group, sp: bool, overlap: bool):
+        self.group, self.sp, self.overlap = group, sp, overlap
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
-        return (enter_tensor_region(args[0], self.group, self.sp), *args[1:])
+        weights = tuple(c.weight for c in module.children() if isinstance(c, ColumnParallelLinear))
+        return (enter(args[0], self.group, self.sp, self.overlap, weights), *args[1:])
 
     def __repr__(self) -> str:
-        return f"EnterRegion({'all-gather seq' if self.sp else 'copy'}, {self.group.name})"
+        return f"EnterRegion({'all-gather seq' if self.sp else 'copy'}, {self.group.name}, overlap={self.overlap})"
 
 
-def _bias(linear: nn.Linear) -> bool:
-    return linear.bias is not None
+# --- styles ------------------------------------------------------------------------------------
+
+def entry(module: nn.Module, ctx: PlanContext) -> None:
+    module.register_forward_pre_hook(EnterRegion(ctx.tp, ctx.sp, ctx.overlap))
 
 
-def _column(linear: nn.Linear, tp: Group, sp: bool) -> ColumnParallelLinear:
-    return ColumnParallelLinear(linear.in_features, linear.out_features, tp, bias=_bias(linear), sp=sp, enter=False)
+def column(linear: nn.Linear, ctx: PlanContext) -> ColumnParallelLinear:
+    return ColumnParallelLinear(linear.in_features, linear.out_features, ctx.tp, bias=linear.bias is not None,
+                                sp=ctx.sp, enter=False)
 
 
-def _row(linear: nn.Linear, tp: Group, sp: bool) -> RowParallelLinear:
-    return RowParallelLinear(linear.in_features, linear.out_features, tp, bias=_bias(linear), sp=sp)
+def row(linear: nn.Linear, ctx: PlanContext) -> RowParallelLinear:
+    return RowParallelLinear(linear.in_features, linear.out_features, ctx.tp, bias=linear.bias is not None, sp=ctx.sp)
 
 
-def _parallel_attention(attn: nn.Module, tp: Group, sp: bool) -> None:
-    hd, t = attn.head_dim, tp.size
-    kv_heads = attn.wk.out_features // hd
-    attn.wq = _column(attn.wq, tp, sp)
+def kv_column(linear: nn.Linear, ctx: PlanContext, head_dim: int) -> nn.Module:
+    """wk/wv: split with the heads, or when kv_heads < tp kept whole, this rank using the kv head
+    that serves its query heads (tp/kv_heads consecutive ranks share one)."""
+    kv_heads, t = linear.out_features // head_dim, ctx.tp.size
     if kv_heads % t == 0:
-        attn.wk, attn.wv = _column(attn.wk, tp, sp), _column(attn.wv, tp, sp)
-    else:
-        # tp/kv_heads consecutive ranks share a kv head (their query heads form its group).
-        start = (tp.rank // (t // kv_heads)) * hd
-        attn.wk, attn.wv = (HeadSliceLinear(w.in_features, w.out_features, start, hd, bias=_bias(w))
-                            for w in (attn.wk, attn.wv))
-    attn.wo = _row(attn.wo, tp, sp)
-    attn.register_forward_pre_hook(EnterRegion(tp, sp))
+        return column(linear, ctx)
+    start = (ctx.tp.rank // (t // kv_heads)) * head_dim
+    return HeadSliceLinear(linear.in_features, linear.out_features, start, head_dim, bias=linear.bias is not None)
 
 
-def _parallel_mlp(mlp: nn.Module, tp: Group, sp: bool) -> None:
-    mlp.w1 = _column(mlp.w1, tp, sp)
-    if mlp.w3 is not None:
-        mlp.w3 = _column(mlp.w3, tp, sp)
-    mlp.w2 = _row(mlp.w2, tp, sp)
-    mlp.register_forward_pre_hook(EnterRegion(tp, sp))
+def attention(attn: nn.Module, ctx: PlanContext) -> None:
+    """The entry, and wk/wv by their head count (a style that needs the module's head size)."""
+    entry(attn, ctx)
+    attn.wk, attn.wv = (kv_column(w, ctx, attn.head_dim) for w in (attn.wk, attn.wv))
 
 
-def _parallel_moe(moe: MoE, tp: Group, sp: bool) -> None:
-    """Experts stay whole; the TP ranks split the micro-batch's tokens instead (under SP they
-    arrive split; otherwise each rank takes its slice of the sequence and the outputs are
-    gathered back). The router's and the experts' gradients are then partial sums over tp:
-    the router's is summed like a norm's, the experts' by their own data-parallel group,
-    which spans tp (grid.expert_dp). The shared expert is a tensor-parallel MLP."""
-    moe.token_ranks, moe.token_rank = tp.size, tp.rank
-    moe.gather_counts = partial(_stacked, group=tp)
-    if not sp:
-        moe.split_tokens = partial(scatter_to_sequence_region, group=tp)
-        moe.gather_tokens = partial(gather_to_replicated, group=tp)
-    moe.router.tp_sum_grads = ("weight",)
-    if moe.shared is not None:
-        _parallel_mlp(moe.shared, tp, sp)
+def mlp(module: nn.Module, ctx: PlanContext) -> None:
+    """A dense MLP enters the region; an MoE layer keeps its experts whole and lets the TP ranks
+    split the micro-batch's tokens instead (under SP they arrive split; otherwise each rank takes
+    its slice of the sequence and the outputs are gathered back). The router's gradient is then a
+    partial sum over tp, summed like a norm's; the experts' are summed by their own
+    data-parallel group, which spans tp (grid.expert_dp)."""
+    if not isinstance(module, MoE):
+        return entry(module, ctx)
+    module.token_ranks, module.token_rank = ctx.tp.size, ctx.tp.rank
+    module.gather_counts = partial(_stacked, group=ctx.tp)
+    if not ctx.sp:
+        module.split_tokens = partial(scatter_to_sequence_region, group=ctx.tp)
+        module.gather_tokens = partial(gather_to_replicated, group=ctx.tp)
+    module.router.tp_sum_grads = ("weight",)
+    return None
 
 
 def _stacked(x, group: Group):
@@ -100,53 +121,80 @@ def _stacked(x, group: Group):
     return all_gather_dim0(x.unsqueeze(0), group)
 
 
-def _sequence_sharded(norm: nn.Module) -> None:
-    # Each rank normalizes its own rows: the weight (and bias) gradient is a partial sum.
-    norm.tp_sum_grads = tuple(name for name, _ in norm.named_parameters(recurse=False))
+def sequence_norm(norm: nn.Module, ctx: PlanContext) -> None:
+    """Under SP each rank normalizes its own rows: the weight (and bias) gradient is a partial sum."""
+    if ctx.sp:
+        norm.tp_sum_grads = tuple(name for name, _ in norm.named_parameters(recurse=False))
 
 
-def apply_tensor_parallel(model: nn.Module, grid: Grid, sp: bool) -> nn.Module:
-    """Swap `model`'s layers for tensor-parallel ones over grid.tp (call on the meta device,
-    before materializing). A no-op when tp is 1."""
-    tp = grid.tp
-    if tp.size == 1:
-        return model
-    tied = model.head is not None and model.tok_embed is not None and model.head.weight is model.tok_embed.weight
-    for block in model.layers.values():
-        _parallel_attention(block.attn, tp, sp)
-        if isinstance(block.mlp, MoE):
-            _parallel_moe(block.mlp, tp, sp)
-        else:
-            _parallel_mlp(block.mlp, tp, sp)
-        if sp:
-            _sequence_sharded(block.attn_norm)
-            _sequence_sharded(block.mlp_norm)
-    if model.tok_embed is not None:
-        # A GPT-2 position table is added to the full sequence first, then split (no traffic);
-        # otherwise the embedding's partial sums are reduce-scattered straight into the shards.
-        scatter_in_embedding = sp and model.pos_embed is None
-        old = model.tok_embed
-        model.tok_embed = VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, tp,
-                                                 scatter=scatter_in_embedding)
-        if sp and not scatter_in_embedding:
-            model.embed_out = partial(scatter_to_sequence_region, group=tp)
-    if model.head is not None:
-        if sp:
-            _sequence_sharded(model.norm)
-        model.head = ColumnParallelLinear(model.head.in_features, model.head.out_features, tp, sp=sp, enter=True)
-        if tied:
-            model.head.weight = model.tok_embed.weight
-        # The logits stay split over the vocabulary: the loss never gathers them.
-        model.loss_fn = partial(vocab_parallel_cross_entropy, group=tp)
+def vocab_embedding(old: nn.Embedding, ctx: PlanContext) -> VocabParallelEmbedding:
+    """A GPT-2 position table is added to the full sequence first, then split (no traffic);
+    otherwise the embedding's partial sums are reduce-scattered straight into the shards."""
+    scatter = ctx.sp and ctx.model.pos_embed is None
+    if ctx.sp and not scatter:
+        ctx.model.embed_out = partial(scatter_to_sequence_region, group=ctx.tp)
+    return VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, ctx.tp, scatter=scatter)
+
+
+def vocab_head(old: nn.Linear, ctx: PlanContext) -> ColumnParallelLinear:
+    """The logits stay split over the vocabulary: the loss never gathers them. A tied head shares
+    the (already parallel) embedding's weight."""
+    model = ctx.model
+    head = ColumnParallelLinear(old.in_features, old.out_features, ctx.tp, sp=ctx.sp, enter=True, overlap=ctx.overlap)
+    if ctx.tied and model.tok_embed is not None:
+        head.weight = model.tok_embed.weight
+    model.loss_fn = partial(vocab_parallel_cross_entropy, group=ctx.tp)
+    return head
+
+
+# Names of the plain model (model/transformer.py, model/moe.py), in module order: a parent's
+# style runs before its children are replaced.
+TP_PLAN: tuple[tuple[str, Style], ...] = (
+    ("tok_embed", vocab_embedding),
+    ("layers.*.attn_norm", sequence_norm),
+    ("layers.*.attn", attention),
+    ("layers.*.attn.wq", column),
+    ("layers.*.attn.wo", row),
+    ("layers.*.mlp_norm", sequence_norm),
+    ("layers.*.mlp", mlp),
+    ("layers.*.mlp.w1", column),
+    ("layers.*.mlp.w3", column),
+    ("layers.*.mlp.w2", row),
+    ("layers.*.mlp.shared", entry),  # an MoE layer's shared expert is a tensor-parallel MLP
+    ("layers.*.mlp.shared.w1", column),
+    ("layers.*.mlp.shared.w3", column),
+    ("layers.*.mlp.shared.w2", row),
+    ("norm", sequence_norm),
+    ("head", vocab_head),
+)
+
+
+def _matches(pattern: str, name: str) -> bool:
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(fnmatchcase(n, p) for p, n in zip(parts, names))
+
+
+def apply_plan(model: nn.Module, plan, ctx: PlanContext) -> nn.Module:
+    """Run each module's style from `plan` ((name pattern, style) rows; the first match wins),
+    putting a returned replacement in the module's place."""
+    for name, module in list(model.named_modules()):
+        style = next((s for pattern, s in plan if _matches(pattern, name)), None)
+        if style is None:
+            continue
+        new = style(module, ctx)
+        if new is not None:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, new)
     return model
 
 
-def partial_grad_params(model: nn.Module) -> list[nn.Parameter]:
-    """Replicated parameters whose gradient each TP rank holds only a part of."""
-    out = []
-    for module in model.modules():
-        for name in getattr(module, "tp_sum_grads", ()):
-            p = getattr(module, name)
-            if p is not None and p.requires_grad:
-                out.append(p)
-    return out
+def apply_tensor_parallel(model: nn.Module, grid: Grid, sp: bool, overlap: bool = True,
+                          plan=TP_PLAN) -> nn.Module:
+    """Swap `model`'s layers for tensor-parallel ones over grid.tp by `plan` (call on the meta
+    device, before materializing). `overlap`: the projections' dW matmuls run while their input
+    gradient is all-reduced (reduce-scattered under SP). A no-op when tp is 1."""
+    if grid.tp.size == 1:
+        return model
+    head, embed = getattr(model, "head", None), getattr(model, "tok_embed", None)
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    return apply_plan(model, plan, PlanContext(grid.tp, sp, overlap, model, tied))

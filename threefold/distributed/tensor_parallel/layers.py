@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.distributed.comm import MAX, Group
-from threefold.distributed.tensor_parallel.mappings import (all_gather_dim0, all_reduce_, copy_to_region,
-                                                           gather_from_sequence_region, leave_region)
+from threefold.distributed.tensor_parallel.mappings import all_reduce_, leave_region
+from threefold.distributed.tensor_parallel.region import column_linear, enter
 from threefold.model.init import ShardSpec
 
 
@@ -26,74 +26,9 @@ def _shard(full: int, group: Group, what: str) -> tuple[int, int]:
     return group.rank * n, n
 
 
-class _ShardedInput:
-    """The sequence shard an SP input was all-gathered from, shared by the column-parallel layers
-    that consume the gathered tensor. They save the shard (s/tp rows) instead of the gathered
-    tensor, and the first of them to run backward gathers it again for the others (Korthikanti
-    et al. 2022, sec. 4.2.2: one extra all-gather in backward instead of s rows kept per layer)."""
-
-    def __init__(self, group: Group):
-        # No reference to the shard itself: it is saved through autograd (and so through
-        # checkpointing), the only way it stays alive.
-        self.group, self.users, self.full = group, 0, None
-
-    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
-        if self.full is None:
-            self.full = all_gather_dim0(shard, self.group)
-        return self.full
-
-    def release(self) -> None:
-        self.users -= 1
-        if self.users == 0:
-            self.full = None
-
-
-def enter_tensor_region(x: torch.Tensor, group: Group, sp: bool) -> torch.Tensor:
-    """Input of column-parallel layers: copied (identity forward, all-reduce backward), or under
-    SP all-gathered over the sequence (reduce-scatter backward). The gathered tensor carries its
-    shard so the layers it feeds keep only that for backward."""
-    if not sp or group.size == 1:
-        return copy_to_region(x, group)
-    full = gather_from_sequence_region(x, group)
-    # Lives as long as `full`, which nothing saves: only the forward of the consumers sees it.
-    full._tp_sharded_input = (x.detach(), _ShardedInput(group))
-    return full
-
-
-class _LinearSavingShard(torch.autograd.Function):
-    """F.linear on an all-gathered input that saves the input's shard and gathers it again in backward."""
-
-    @staticmethod
-    def forward(ctx, full, shard, weight, bias, sharded: _ShardedInput):
-        sharded.users += 1
-        ctx.sharded, ctx.has_bias = sharded, bias is not None
-        ctx.save_for_backward(shard, weight)
-        return F.linear(full, weight, bias)  # under autocast: in the autocast dtype
-
-    @staticmethod
-    def backward(ctx, grad):
-        shard, weight = ctx.saved_tensors
-        full = ctx.sharded.gathered(shard).to(grad.dtype)
-        grad_full = grad.matmul(weight.to(grad.dtype))
-        g2 = grad.flatten(0, -2)
-        grad_weight = g2.t().matmul(full.flatten(0, -2)).to(weight.dtype)
-        grad_bias = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
-        ctx.sharded.release()
-        return grad_full, None, grad_weight, grad_bias, None
-
-
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store) -> torch.Tensor:
     # A zero-bubble pipeline sets `weight_grad_store` to defer dW (pipeline/weight_grad.py).
     return F.linear(x, weight, bias) if store is None else store.linear(x, weight, bias)
-
-
-def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store=None) -> torch.Tensor:
-    """F.linear, saving only the sequence shard when `x` was all-gathered by enter_tensor_region
-    (unless a zero-bubble store defers dW: it keeps the gathered input for its W action)."""
-    sharded = getattr(x, "_tp_sharded_input", None)
-    if sharded is None or store is not None or not torch.is_grad_enabled():
-        return _linear(x, weight, bias, store)
-    return _LinearSavingShard.apply(x, sharded[0], weight, bias, sharded[1])
 
 
 class ColumnParallelLinear(nn.Module):
@@ -101,14 +36,15 @@ class ColumnParallelLinear(nn.Module):
 
     With `enter=True` the input first enters the region (copy, or all-gather under SP); set it
     False when the caller did that once for several sibling projections (q, k, v / w1, w3).
+    `overlap`: its own entry runs the dW matmul during the input gradient's collective.
     """
 
     weight_grad_store = None
 
     def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = False,
-                 sp: bool = False, enter: bool = True):
+                 sp: bool = False, enter: bool = True, overlap: bool = False):
         super().__init__()
-        self.group, self.sp, self.enter = group, sp, enter
+        self.group, self.sp, self.enter, self.overlap = group, sp, enter, overlap
         self.in_features, self.out_features = in_features, out_features
         start, n = _shard(out_features, group, "out_features")
         self.weight = nn.Parameter(torch.empty(n, in_features))
@@ -120,7 +56,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter:
-            x = enter_tensor_region(x, self.group, self.sp)
+            x = enter(x, self.group, self.sp, self.overlap, (self.weight,))
         return column_linear(x, self.weight, self.bias, self.weight_grad_store)
 
     def extra_repr(self) -> str:
