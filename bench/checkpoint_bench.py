@@ -14,6 +14,7 @@ MTTR: two ranks under the elastic agent (train.max_restarts 1), rank 1 killed at
 `steps/2`; goodput.json gives the time from the kill to the end of the first resumed step
 (process restart, start-up, checkpoint load and that step).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-
 from stats import Interval, paired_ratio, show  # noqa: E402
+
 from threefold.checkpoint import LocalTensor, find_resumable, load_into  # noqa: E402
 from threefold.config import build_config  # noqa: E402
 from threefold.train.worker import run_worker  # noqa: E402
@@ -41,9 +42,17 @@ MB = 1e6
 
 
 def _cfg(preset: str, steps: int, interval: int, ckpt: Path, log: Path, asynchronous: bool):
-    pairs = [("model.preset", preset), ("train.steps", str(steps)), ("train.warmup_steps", "2"),
-             ("checkpoint.dir", str(ckpt)), ("checkpoint.interval", str(interval)), ("checkpoint.keep", "0"),
-             ("checkpoint.async", str(asynchronous).lower()), ("log.dir", str(log)), ("log.quiet", "true")]
+    pairs = [
+        ("model.preset", preset),
+        ("train.steps", str(steps)),
+        ("train.warmup_steps", "2"),
+        ("checkpoint.dir", str(ckpt)),
+        ("checkpoint.interval", str(interval)),
+        ("checkpoint.keep", "0"),
+        ("checkpoint.async", str(asynchronous).lower()),
+        ("log.dir", str(log)),
+        ("log.quiet", "true"),
+    ]
     return validate(build_config(None, pairs))
 
 
@@ -60,14 +69,18 @@ def save_costs(preset: str, steps: int, interval: int, tmp: Path) -> dict:
     directory, manifest = find_resumable(out.pop("ckpt_dir"))
     size = sum(meta["bytes"] for meta in manifest.files.values())
     # Tensors of the saved layout, filled by the resume path (verify, then read every shard).
-    targets = [LocalTensor(name, torch.empty(s.lengths, dtype=getattr(torch, e.dtype)), tuple(e.shape),
-                           tuple(s.offsets), False) for name, e in manifest.tensors.items() for s in e.shards]
+    targets = [
+        LocalTensor(
+            name, torch.empty(s.lengths, dtype=getattr(torch, e.dtype)), tuple(e.shape), tuple(s.offsets), False
+        )
+        for name, e in manifest.tensors.items()
+        for s in e.shards
+    ]
     t0 = time.perf_counter()
     directory, manifest = find_resumable(directory.parent)
     load_into(targets, directory, manifest)
     load_s = time.perf_counter() - t0
-    out.update(checkpoint_mb=size / MB, save_mb_per_s=size / MB / out["sync_block_s"],
-               load_mb_per_s=size / MB / load_s)
+    out.update(checkpoint_mb=size / MB, save_mb_per_s=size / MB / out["sync_block_s"], load_mb_per_s=size / MB / load_s)
     return out
 
 
@@ -78,10 +91,30 @@ def async_over_sync(r: dict) -> Interval:
 
 def mttr(preset: str, steps: int, interval: int, tmp: Path) -> float:
     log, ckpt = tmp / f"{preset}-mttr-log", tmp / f"{preset}-mttr-ckpt"
-    cmd = [sys.executable, "-m", "threefold", "train", "--model.preset", preset, "--parallel.dp", "2",
-           "--train.steps", str(steps), "--train.warmup_steps", "2", "--train.max_restarts", "1",
-           "--checkpoint.dir", str(ckpt), "--checkpoint.interval", str(interval), "--log.dir", str(log),
-           "--log.quiet", "true"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "threefold",
+        "train",
+        "--model.preset",
+        preset,
+        "--parallel.dp",
+        "2",
+        "--train.steps",
+        str(steps),
+        "--train.warmup_steps",
+        "2",
+        "--train.max_restarts",
+        "1",
+        "--checkpoint.dir",
+        str(ckpt),
+        "--checkpoint.interval",
+        str(interval),
+        "--log.dir",
+        str(log),
+        "--log.quiet",
+        "true",
+    ]
     env = {**os.environ, "THREEFOLD_FAULT": f"kill:rank=1:step={steps // 2}"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -101,8 +134,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.presets, args.steps, args.interval = "tiny", 6, 2
     results = {}
-    print("| preset | checkpoint MB | save MB/s | load MB/s | sync save blocks (ms) | async save blocks (ms) | "
-          "async / sync [95% interval] | MTTR (s) |")
+    print(
+        "| preset | checkpoint MB | save MB/s | load MB/s | sync save blocks (ms) | async save blocks (ms) | "
+        "async / sync [95% interval] | MTTR (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets.split(","):
@@ -110,9 +145,12 @@ def main(argv: list[str] | None = None) -> dict:
             r["mttr_s"] = None if args.no_mttr else mttr(preset, args.steps, args.interval, Path(tmp))
             results[preset] = r
             mttr_text = "-" if r["mttr_s"] is None else f"{r['mttr_s']:.1f}"
-            print(f"| {preset} | {r['checkpoint_mb']:.1f} | {r['save_mb_per_s']:.0f} | {r['load_mb_per_s']:.0f} | "
-                  f"{r['sync_block_s'] * 1e3:.1f} | {r['async_block_s'] * 1e3:.1f} | {show(async_over_sync(r))} | "
-                  f"{mttr_text} |", flush=True)
+            print(
+                f"| {preset} | {r['checkpoint_mb']:.1f} | {r['save_mb_per_s']:.0f} | {r['load_mb_per_s']:.0f} | "
+                f"{r['sync_block_s'] * 1e3:.1f} | {r['async_block_s'] * 1e3:.1f} | {show(async_over_sync(r))} | "
+                f"{mttr_text} |",
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     return results

@@ -1,5 +1,6 @@
 """Shared pieces of the data-parallel benchmarks: spawn gloo ranks, build the model and its
 batches, count the bytes of model state."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,14 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)  # one intra-op thread per rank (FIELD-NOTES: essential on CPU)
     try:
         queue.put((rank, fn(*args)))
@@ -54,8 +61,15 @@ def make_cfg(**overrides):
     from threefold.config import build_config
     from threefold.validate import validate
 
-    base = {"model.preset": "tiny", "model.seq_len": 64, "train.global_batch": 16, "train.micro_batch": 8,
-            "train.warmup_steps": 0, "train.min_lr_ratio": 1.0, "train.steps": 1000}
+    base = {
+        "model.preset": "tiny",
+        "model.seq_len": 64,
+        "train.global_batch": 16,
+        "train.micro_batch": 8,
+        "train.warmup_steps": 0,
+        "train.min_lr_ratio": 1.0,
+        "train.steps": 1000,
+    }
     return validate(build_config(None, [(k, str(v)) for k, v in {**base, **overrides}.items()]))
 
 

@@ -17,6 +17,7 @@ the per-rank model state (parameters + gradients + optimizer state, distinct sto
 a step. The overlap table shows the exposed gradient communication (after the slowest rank's
 backward ended) against the blocking cost of the same collectives.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 from dp_common import batches, make_cfg, spawn, storage_bytes  # noqa: E402
 from stats import bootstrap_median, show  # noqa: E402
 from timing import alternate, cell, feeder, ratio, steps_of  # noqa: E402
@@ -62,6 +62,7 @@ def _threefold(cfg, grid, zero: int, bucket_mb: float, overlap: bool = True, mem
         stamps.append((grads.t_backward_end, grads.t_done))
         if probe is not None:
             memory["bytes"] = probe.report.measured_total
+
     return step, tf.engine, stamps
 
 
@@ -87,6 +88,7 @@ def _torch_step(cfg, model, wrapped, optimizer, dp: int, after_step=None, set_to
         if after_step is not None:
             after_step()
         optimizer.zero_grad(set_to_none=set_to_none)
+
     return step
 
 
@@ -104,14 +106,22 @@ def _ddp(cfg, grid, bucket_mb: float, zero_redundancy: bool):
     ddp = DDP(model, process_group=grid.dp.pg, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
     if zero_redundancy:
         groups = param_groups(model, t.weight_decay)
-        optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                            process_group=grid.dp.pg, parameters_as_bucket_view=True, lr=t.lr,
-                                            betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay,
-                                            foreach=True)
+        optimizer = ZeroRedundancyOptimizer(
+            groups[0]["params"],
+            optimizer_class=torch.optim.AdamW,
+            process_group=grid.dp.pg,
+            parameters_as_bucket_view=True,
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            eps=1e-8,
+            weight_decay=t.weight_decay,
+            foreach=True,
+        )
         optimizer.add_param_group(groups[1])
     else:
-        optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                      eps=1e-8, foreach=True)
+        optimizer = torch.optim.AdamW(
+            param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True
+        )
     return _torch_step(cfg, model, ddp, optimizer, grid.dp.size, set_to_none=False)
 
 
@@ -128,8 +138,9 @@ def _fsdp2(cfg, grid):
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                  eps=1e-8, foreach=True)
+    optimizer = torch.optim.AdamW(
+        param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True
+    )
     memory = {}
 
     def measure() -> None:  # local shards of parameters, gradients, optimizer state, after the first step
@@ -137,9 +148,14 @@ def _fsdp2(cfg, grid):
             return
         local = [p.to_local() for p in model.parameters()]
         local += [p.grad.to_local() for p in model.parameters() if p.grad is not None]
-        local += [v.to_local() if hasattr(v, "to_local") else v
-                  for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        local += [
+            v.to_local() if hasattr(v, "to_local") else v
+            for s in optimizer.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        ]
         memory["bytes"] = storage_bytes(local)
+
     return _torch_step(cfg, model, model, optimizer, grid.dp.size, measure), memory
 
 
@@ -151,14 +167,22 @@ def _worker(args) -> dict:
     barrier = lambda: dist.barrier(group=grid.dp.pg)  # noqa: E731
 
     def matchup(ours, theirs) -> dict:  # every contestant walks the same batches
-        return alternate({"threefold": feeder(ours, data), "torch": feeder(theirs, data)}, args.rounds, args.steps,
-                         barrier, args.warmup)
+        return alternate(
+            {"threefold": feeder(ours, data), "torch": feeder(theirs, data)},
+            args.rounds,
+            args.steps,
+            barrier,
+            args.warmup,
+        )
 
     tf0, eng0, stamps0 = _threefold(cfg, grid, 0, args.bucket_mb)
     out = {"params": sum(p.numel() for p in eng0.params)}
     out["dp"] = matchup(tf0, _ddp(cfg, grid, args.bucket_mb, False))
-    out["overlap0"] = {"exposed": _exposed(stamps0, args.warmup, grid.dp.pg), "serial": eng0.time_serial_comm(),
-                       "buckets": len(eng0.layout.buckets)}
+    out["overlap0"] = {
+        "exposed": _exposed(stamps0, args.warmup, grid.dp.pg),
+        "serial": eng0.time_serial_comm(),
+        "buckets": len(eng0.layout.buckets),
+    }
 
     tf1, _, _ = _threefold(cfg, grid, 1, args.bucket_mb)
     out["zero1"] = matchup(tf1, _ddp(cfg, grid, args.bucket_mb, True))
@@ -175,8 +199,11 @@ def _worker(args) -> dict:
     tf2, eng2, stamps2 = _threefold(cfg, grid, 2, args.bucket_mb)
     for i in range(args.warmup + args.rounds * args.steps):
         tf2(data[i % len(data)])
-    out["overlap2"] = {"exposed": _exposed(stamps2, args.warmup, grid.dp.pg), "serial": eng2.time_serial_comm(),
-                       "buckets": len(eng2.layout.buckets)}
+    out["overlap2"] = {
+        "exposed": _exposed(stamps2, args.warmup, grid.dp.pg),
+        "serial": eng2.time_serial_comm(),
+        "buckets": len(eng2.layout.buckets),
+    }
     dist.barrier()
     dist.destroy_process_group()
     return out
@@ -188,10 +215,15 @@ def hidden(overlap: dict):
 
 
 def _row(name: str, blocks: dict, memory: dict | None = None) -> str:
-    mem = f"{memory['threefold'] / memory['torch']:.2f} ({memory['threefold']:,} / {memory['torch']:,} B)" \
-        if memory else "-"
-    return (f"| {name} | {cell(steps_of(blocks['threefold']))} | {cell(steps_of(blocks['torch']))} | "
-            f"{show(ratio(blocks, 'threefold', 'torch'))} | {mem} |")
+    mem = (
+        f"{memory['threefold'] / memory['torch']:.2f} ({memory['threefold']:,} / {memory['torch']:,} B)"
+        if memory
+        else "-"
+    )
+    return (
+        f"| {name} | {cell(steps_of(blocks['threefold']))} | {cell(steps_of(blocks['torch']))} | "
+        f"{show(ratio(blocks, 'threefold', 'torch'))} | {mem} |"
+    )
 
 
 def main(argv=None) -> dict:
@@ -208,39 +240,55 @@ def main(argv=None) -> dict:
         args.rounds, args.steps, args.warmup = 3, 1, 1
     r = spawn(_worker, args.ranks, args)[0]
     r.update(rounds=args.rounds, steps=args.steps, warmup=args.warmup, bucket_mb=args.bucket_mb)
-    print(f"\n{args.ranks} ranks, tiny llama ({r['params']:,} parameters, {args.layers} blocks), seq 64, "
-          f"8 sequences/rank/step, bucket {args.bucket_mb:g} MiB; {args.rounds} rounds x {args.steps} steps "
-          "interleaved; median [p25-p75] ms/step; time ratio: median per-round ratio [95% bootstrap interval]\n")
+    print(
+        f"\n{args.ranks} ranks, tiny llama ({r['params']:,} parameters, {args.layers} blocks), seq 64, "
+        f"8 sequences/rank/step, bucket {args.bucket_mb:g} MiB; {args.rounds} rounds x {args.steps} steps "
+        "interleaved; median [p25-p75] ms/step; time ratio: median per-round ratio [95% bootstrap interval]\n"
+    )
     print("| matchup | threefold | torch | time ratio | memory ratio |")
     print("|---|---|---|---|---|")
     print(_row("zero 0 vs DDP", r["dp"]))
     print(_row("zero 1 vs ZeroRedundancyOptimizer", r["zero1"]))
     print(_row("zero 3 vs FSDP2 fully_shard", r["zero3"], r["zero3_memory"]))
     print(_row("zero 0 overlapped (threefold col.) vs reduced after backward (torch col.)", r["overlap"]))
-    print(f"\nWith a {r['params']:,}-parameter model on gloo, per-step Python and gloo latency weigh as much as the "
-          "data-parallel algorithm: the ratios compare each stack's overhead as much as its parallelism.")
+    print(
+        f"\nWith a {r['params']:,}-parameter model on gloo, per-step Python and gloo latency weigh as much as the "
+        "data-parallel algorithm: the ratios compare each stack's overhead as much as its parallelism."
+    )
     print("\n| overlap | buckets | serial comm ms | exposed after backward ms | hidden (median [95% interval]) |")
     print("|---|---|---|---|---|")
     for name, key in (("zero 0 (all_reduce)", "overlap0"), ("zero 2 (reduce_scatter)", "overlap2")):
         o = r[key]
-        print(f"| {name} | {o['buckets']} | {o['serial'] * 1e3:.2f} | {statistics.median(o['exposed']) * 1e3:.2f} | "
-              f"{show(hidden(o))} |")
+        print(
+            f"| {name} | {o['buckets']} | {o['serial'] * 1e3:.2f} | {statistics.median(o['exposed']) * 1e3:.2f} | "
+            f"{show(hidden(o))} |"
+        )
     print("\nContestants:\n")
-    print(f"- threefold: its Trainer's train_step, the step `threefold train` runs (ZeRO 0/1/2/3, bucket "
-          f"{args.bucket_mb:g} MiB, reductions overlapped with backward; finalize_grads, the ranks' health "
-          "all-gather, clip at 1.0 and the engine's AdamW: torch's foreach arithmetic on flat buffers; the "
-          "loss and metrics reductions).")
-    print(f"- DDP: DistributedDataParallel(bucket_cap_mb={args.bucket_mb:g}, gradient_as_bucket_view=True), "
-          "AdamW(foreach=True) with weight decay on matrices only, clip_grad_norm_(foreach=True), "
-          "zero_grad(set_to_none=False) so gradients stay bucket views.")
-    print("- ZeroRedundancyOptimizer: the same DDP, ZeroRedundancyOptimizer(optimizer_class=AdamW, "
-          "parameters_as_bucket_view=True, foreach=True), the same clipping and zero_grad.")
-    print("- FSDP2: fully_shard per block and on the root over init_device_mesh(\"cpu\", (dp,)), "
-          "AdamW(foreach=True), clip_grad_norm_(foreach=True) on its DTensor gradients, "
-          "zero_grad(set_to_none=True).")
-    print(f"- Both sides of each matchup: {args.ranks} gloo ranks, the same init, batches and hyper-parameters; "
-          f"{args.warmup} untimed warm-up step(s) each, then {args.rounds} rounds x {args.steps} step(s); per-round "
-          "value = median of the round's step times on rank 0.")
+    print(
+        f"- threefold: its Trainer's train_step, the step `threefold train` runs (ZeRO 0/1/2/3, bucket "
+        f"{args.bucket_mb:g} MiB, reductions overlapped with backward; finalize_grads, the ranks' health "
+        "all-gather, clip at 1.0 and the engine's AdamW: torch's foreach arithmetic on flat buffers; the "
+        "loss and metrics reductions)."
+    )
+    print(
+        f"- DDP: DistributedDataParallel(bucket_cap_mb={args.bucket_mb:g}, gradient_as_bucket_view=True), "
+        "AdamW(foreach=True) with weight decay on matrices only, clip_grad_norm_(foreach=True), "
+        "zero_grad(set_to_none=False) so gradients stay bucket views."
+    )
+    print(
+        "- ZeroRedundancyOptimizer: the same DDP, ZeroRedundancyOptimizer(optimizer_class=AdamW, "
+        "parameters_as_bucket_view=True, foreach=True), the same clipping and zero_grad."
+    )
+    print(
+        '- FSDP2: fully_shard per block and on the root over init_device_mesh("cpu", (dp,)), '
+        "AdamW(foreach=True), clip_grad_norm_(foreach=True) on its DTensor gradients, "
+        "zero_grad(set_to_none=True)."
+    )
+    print(
+        f"- Both sides of each matchup: {args.ranks} gloo ranks, the same init, batches and hyper-parameters; "
+        f"{args.warmup} untimed warm-up step(s) each, then {args.rounds} rounds x {args.steps} step(s); per-round "
+        "value = median of the round's step times on rank 0."
+    )
     return r
 
 

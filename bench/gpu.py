@@ -26,6 +26,7 @@ the same steps and drop the same warm-up steps. TF32 stays off for the fp32 chec
 Prints the table last, writes JSON; exits 1 if a check fails, 2 without a CUDA device.
 Budget: about 5 minutes on an H100/H200-class GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,15 @@ def pick_model(memory_bytes: int, tiny: bool = False) -> tuple[str, dict]:
         return "gpt-1.3b", {**gpt13, "train.global_batch": 8, "train.micro_batch": 4}
     if memory_bytes >= 32 * GIB:
         return "gpt-1.3b", {**gpt13, "train.global_batch": 4, "train.micro_batch": 1}
-    mid = {"model.preset": "gpt-1.3b", "model.hidden": 1024, "model.heads": 16, "model.kv_heads": 16,
-           "model.ffn_hidden": 4096, "model.layers": 24, "model.seq_len": 1024}
+    mid = {
+        "model.preset": "gpt-1.3b",
+        "model.hidden": 1024,
+        "model.heads": 16,
+        "model.kv_heads": 16,
+        "model.ffn_hidden": 4096,
+        "model.layers": 24,
+        "model.seq_len": 1024,
+    }
     if memory_bytes >= 12 * GIB:
         return "gpt-350m", {**mid, "train.global_batch": 8, "train.micro_batch": 4}
     return "gpt-350m", {**mid, "train.global_batch": 4, "train.micro_batch": 1}
@@ -67,9 +75,18 @@ def make_cfg(overrides: dict, device: str, dtype: str, steps: int, log_dir: str,
     from threefold.config import build_config
     from threefold.validate import validate
 
-    pairs = {**overrides, "train.device": device, "train.dtype": dtype, "train.steps": steps,
-             "train.warmup_steps": 1, "log.dir": log_dir, "log.quiet": "true", "data.cache_dir": cache_dir,
-             "data.prefetch": 0, **extra}
+    pairs = {
+        **overrides,
+        "train.device": device,
+        "train.dtype": dtype,
+        "train.steps": steps,
+        "train.warmup_steps": 1,
+        "log.dir": log_dir,
+        "log.quiet": "true",
+        "data.cache_dir": cache_dir,
+        "data.prefetch": 0,
+        **extra,
+    }
     return validate(build_config(None, [(k, str(v)) for k, v in pairs.items()]), 1)
 
 
@@ -121,14 +138,20 @@ def fused_requirement(outcomes: list[dict], device: str) -> dict:
     on other devices the outcome is reported and passes."""
     served = [o for o in outcomes if o["value"] is not None]
     good = [o for o in served if o["ok"]]
-    row = {"check": "fused attention served (bf16 hd128, flash or efficient)",
-           "value": min((o["value"] for o in served), default=None), "tolerance": BF16_TOL}
+    row = {
+        "check": "fused attention served (bf16 hd128, flash or efficient)",
+        "value": min((o["value"] for o in served), default=None),
+        "tolerance": BF16_TOL,
+    }
     if device != "cuda":
         return {**row, "ok": True, "note": f"required on cuda only; {len(good)} of {len(outcomes)} served"}
     if good:
         return {**row, "ok": True, "note": ", ".join(o["check"].split()[1] for o in good)}
-    return {**row, "ok": False, "note": "no fused backend served within tolerance" if served else
-            "no fused backend served"}
+    return {
+        **row,
+        "ok": False,
+        "note": "no fused backend served within tolerance" if served else "no fused backend served",
+    }
 
 
 def attention_checks(device: str) -> list[dict]:
@@ -137,8 +160,11 @@ def attention_checks(device: str) -> list[dict]:
 
     from threefold.model.layers import AttentionCore
 
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                "math": SDPBackend.MATH}
+    backends = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
     core = AttentionCore()
 
     def run(inputs, dtype, dev, backend):
@@ -161,10 +187,21 @@ def attention_checks(device: str) -> list[dict]:
     rows = []
     for dtype, tol in ((torch.bfloat16, BF16_TOL), (torch.float32, 1e-5)):
         for name, backend in backends.items():
-            rows.append(backend_check(f"attention {name} {str(dtype)[6:]}", tol,
-                                      lambda: error(gqa, ref_gqa, dtype, backend)))
-    fused = [backend_check(f"attention {name} bf16 hd128", BF16_TOL,
-                           lambda: error(mha, ref_mha, torch.bfloat16, backends[name])) for name in FUSED]
+            rows.append(
+                backend_check(
+                    f"attention {name} {str(dtype)[6:]}",
+                    tol,
+                    lambda dtype=dtype, backend=backend: error(gqa, ref_gqa, dtype, backend),
+                )
+            )
+    fused = [
+        backend_check(
+            f"attention {name} bf16 hd128",
+            BF16_TOL,
+            lambda name=name: error(mha, ref_mha, torch.bfloat16, backends[name]),
+        )
+        for name in FUSED
+    ]
     return rows + fused + [fused_requirement(fused, device)]
 
 
@@ -190,9 +227,14 @@ def adamw_check(device: str) -> dict:
 def training_checks(device: str, cache_dir: str) -> list[dict]:
     ref = train_metrics(TINY, "cpu", "fp32", 3, cache_dir)
     fp32 = train_metrics(TINY, device, "fp32", 3, cache_dir)
-    rows = [check("train fp32 vs CPU (max loss diff)", max_loss_diff(fp32, ref), 1e-4),
-            check("train bf16 + fp32 master vs CPU fp32", max_loss_diff(train_metrics(TINY, device, "bf16", 3,
-                                                                                      cache_dir), ref), 5e-2)]
+    rows = [
+        check("train fp32 vs CPU (max loss diff)", max_loss_diff(fp32, ref), 1e-4),
+        check(
+            "train bf16 + fp32 master vs CPU fp32",
+            max_loss_diff(train_metrics(TINY, device, "bf16", 3, cache_dir), ref),
+            5e-2,
+        ),
+    ]
     for mode in ("selective", "full"):
         got = train_metrics(TINY, device, "fp32", 3, cache_dir, **{"train.recompute": mode})
         rows.append(check(f"recompute {mode} vs none", max_loss_diff(got, fp32), 1e-5))
@@ -218,8 +260,7 @@ def plain_loop(overrides: dict, device: str, steps: int, cache_dir: str) -> list
     dev = torch.device(device)
     model = plain_model(m, t.seed, dev)  # tied like build_model's (gpt presets)
     fused = plain_optimizer_flags(dev.type)
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
-                            **fused)
+    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, **fused)
     tokens = load_tokens(cfg.data.path, cfg.data.vocab, cfg.data.dtype, cfg.data.cache_dir).tokens
     sampler = GlobalBatchSampler(len(tokens), m.seq_len, t.global_batch, t.seed)
     n_tokens, times = t.global_batch * m.seq_len, []
@@ -255,12 +296,25 @@ def performance(device: str, label: str, overrides: dict, steps: int, cache_dir:
     peak = device_peak_flops(torch.device(device), torch.bfloat16, cache_dir=cache_dir)
     ours = statistics.median(r["step_time_s"] for r in metrics[warm:])
     theirs = statistics.median(plain)
-    mfu = (lambda s: flops / s / peak if peak else None)
-    return {"model": label, "overrides": overrides, "tokens_per_step": tokens, "peak_flops": peak,
-            "threefold_step_s": ours, "plain_step_s": theirs, "ratio": ours / theirs,
-            "threefold_mfu": mfu(ours), "plain_mfu": mfu(theirs), "steps": steps, "warmup": warm,
-            "plain_optimizer": ", ".join(f"{k}={v}" for k, v in plain_optimizer_flags(device).items()),
-            "final_loss": metrics[-1]["loss"]}
+
+    def mfu(seconds: float) -> float | None:
+        return flops / seconds / peak if peak else None
+
+    return {
+        "model": label,
+        "overrides": overrides,
+        "tokens_per_step": tokens,
+        "peak_flops": peak,
+        "threefold_step_s": ours,
+        "plain_step_s": theirs,
+        "ratio": ours / theirs,
+        "threefold_mfu": mfu(ours),
+        "plain_mfu": mfu(theirs),
+        "steps": steps,
+        "warmup": warm,
+        "plain_optimizer": ", ".join(f"{k}={v}" for k, v in plain_optimizer_flags(device).items()),
+        "final_loss": metrics[-1]["loss"],
+    }
 
 
 def check_line(c: dict) -> str:
@@ -279,21 +333,30 @@ def table(checks: list[dict], perf: dict | None) -> str:
         lines.append(f"\nperformance ({perf['model']}) failed: {perf['error']}")
     elif perf:
         pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
-        lines += ["", f"{perf['model']} in bf16 (fp32 master weights), {perf['tokens_per_step']:,} tokens per step, "
-                  f"median of {perf['steps'] - perf['warmup']} steps after {perf['warmup']} warm-up", "",
-                  "| contestant | step ms | tokens/s | MFU |", "|---|---|---|---|"]
+        lines += [
+            "",
+            f"{perf['model']} in bf16 (fp32 master weights), {perf['tokens_per_step']:,} tokens per step, "
+            f"median of {perf['steps'] - perf['warmup']} steps after {perf['warmup']} warm-up",
+            "",
+            "| contestant | step ms | tokens/s | MFU |",
+            "|---|---|---|---|",
+        ]
         for name, key in (("threefold", "threefold"), ("plain PyTorch (autocast bf16)", "plain")):
             s = perf[f"{key}_step_s"]
             lines.append(f"| {name} | {s * 1e3:.1f} | {perf['tokens_per_step'] / s:,.0f} | {pct(perf[f'{key}_mfu'])} |")
-        lines += ["", "Contestants:", "",
-                  "- threefold: `threefold train`'s worker (dp = tp = pp = 1), bf16 parameters with fp32 master "
-                  "weights, the DataParallel engine's AdamW (torch's foreach arithmetic), clipping at grad_clip.",
-                  "- plain PyTorch: fp32 parameters under torch.autocast(bf16), "
-                  f"AdamW({perf.get('plain_optimizer', '')}), clip_grad_norm_(foreach=True), "
-                  "zero_grad(set_to_none=True).",
-                  f"- Both: the same model, init and batches, {perf['steps']} steps, the first {perf['warmup']} "
-                  "dropped, the device synchronized at each step's end.",
-                  f"\nthreefold / plain step time: {perf['ratio']:.3f}"]
+        lines += [
+            "",
+            "Contestants:",
+            "",
+            "- threefold: `threefold train`'s worker (dp = tp = pp = 1), bf16 parameters with fp32 master "
+            "weights, the DataParallel engine's AdamW (torch's foreach arithmetic), clipping at grad_clip.",
+            "- plain PyTorch: fp32 parameters under torch.autocast(bf16), "
+            f"AdamW({perf.get('plain_optimizer', '')}), clip_grad_norm_(foreach=True), "
+            "zero_grad(set_to_none=True).",
+            f"- Both: the same model, init and batches, {perf['steps']} steps, the first {perf['warmup']} "
+            "dropped, the device synchronized at each step's end.",
+            f"\nthreefold / plain step time: {perf['ratio']:.3f}",
+        ]
     return "\n".join(lines)
 
 
@@ -308,13 +371,14 @@ def main(argv=None) -> int:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"bench/gpu.py: error: no CUDA device (torch {torch.__version__}, built with CUDA "
-              f"{torch.version.cuda}); run it on a machine with an NVIDIA GPU, or --device cpu --tiny to test",
-              file=sys.stderr)
+        print(
+            f"bench/gpu.py: error: no CUDA device (torch {torch.__version__}, built with CUDA "
+            f"{torch.version.cuda}); run it on a machine with an NVIDIA GPU, or --device cpu --tiny to test",
+            file=sys.stderr,
+        )
         return 2
     if args.device == "cpu" and not args.tiny:
-        print("bench/gpu.py: error: --device cpu needs --tiny (a ~1B model on CPU would take hours)",
-              file=sys.stderr)
+        print("bench/gpu.py: error: --device cpu needs --tiny (a ~1B model on CPU would take hours)", file=sys.stderr)
         return 2
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -333,9 +397,16 @@ def main(argv=None) -> int:
                 perf = performance(args.device, label, overrides, args.steps, cache_dir)
             except RuntimeError as err:  # e.g. out of memory: keep the checks, report the failure
                 perf = {"model": label, "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"}
-    result = {"device": name, "memory_bytes": memory, "torch": torch.__version__, "cuda": torch.version.cuda,
-              "seconds": time.perf_counter() - t0, "checks": checks, "performance": perf,
-              "all_ok": all(c["ok"] for c in checks) and not (perf or {}).get("error")}
+    result = {
+        "device": name,
+        "memory_bytes": memory,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "seconds": time.perf_counter() - t0,
+        "checks": checks,
+        "performance": perf,
+        "all_ok": all(c["ok"] for c in checks) and not (perf or {}).get("error"),
+    }
     out = Path(args.json) if args.json else ROOT / DEFAULT_JSON
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

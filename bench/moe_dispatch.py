@@ -15,6 +15,7 @@ bootstrap intervals (bench/stats.py).
 
     python bench/moe_dispatch.py [--rounds 8] [--steps 3] [--tokens 1024] [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,10 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from harness import run_ranks  # noqa: E402
 from stats import Interval, paired_ratio, show  # noqa: E402
 from timing import round_medians, steps_of, summary  # noqa: E402
+
+from harness import run_ranks  # noqa: E402
 
 WORLD = 4
 EPS = (1, 2, 4)
@@ -58,10 +60,20 @@ def _worker(rounds: int, steps: int, tokens: int, hidden: int, ffn: int, experts
     dist.all_to_all_single = timed
     layers = {}
     for ep in EPS:
-        pairs = [("model.num_experts", experts), ("model.top_k", 2), ("model.hidden", hidden), ("model.heads", 4),
-                 ("model.kv_heads", 4), ("model.ffn_hidden", ffn), ("model.layers", 1), ("model.seq_len", tokens),
-                 ("parallel.dp", WORLD), ("parallel.ep", ep), ("train.global_batch", WORLD),
-                 ("train.micro_batch", 1)]
+        pairs = [
+            ("model.num_experts", experts),
+            ("model.top_k", 2),
+            ("model.hidden", hidden),
+            ("model.heads", 4),
+            ("model.kv_heads", 4),
+            ("model.ffn_hidden", ffn),
+            ("model.layers", 1),
+            ("model.seq_len", tokens),
+            ("parallel.dp", WORLD),
+            ("parallel.ep", ep),
+            ("train.global_batch", WORLD),
+            ("train.micro_batch", 1),
+        ]
         cfg = validate(build_config(None, [(k, str(v)) for k, v in pairs]), WORLD)
         grid = Grid.build(RankLayout(dp=WORLD, ep=ep))
         layers[ep] = build_model(cfg, grid, torch.device("cpu")).layers["0"].mlp
@@ -99,13 +111,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.tokens = 3, 1, 256
-    results = run_ranks(_worker, WORLD, args.rounds, args.steps, args.tokens, args.hidden, args.ffn, args.experts,
-                        timeout=1800)
-    print(f"MoE layer ({args.experts} experts, top-2, dropless, hidden {args.hidden}, ffn {args.ffn}), "
-          f"{WORLD} gloo ranks, {args.tokens} tokens per rank, {args.rounds} rounds x {args.steps} steps; "
-          "ratios: median per-round ratio [95% bootstrap interval]\n")
-    print("| ep | experts per rank | fwd+bwd median (ms) | IQR (ms) | all-to-all (ms) | all-to-all share | tokens/s | "
-          "tokens/s vs ep1 |")
+    results = run_ranks(
+        _worker, WORLD, args.rounds, args.steps, args.tokens, args.hidden, args.ffn, args.experts, timeout=1800
+    )
+    print(
+        f"MoE layer ({args.experts} experts, top-2, dropless, hidden {args.hidden}, ffn {args.ffn}), "
+        f"{WORLD} gloo ranks, {args.tokens} tokens per rank, {args.rounds} rounds x {args.steps} steps; "
+        "ratios: median per-round ratio [95% bootstrap interval]\n"
+    )
+    print(
+        "| ep | experts per rank | fwd+bwd median (ms) | IQR (ms) | all-to-all (ms) | all-to-all share | tokens/s | "
+        "tokens/s vs ep1 |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for ep in EPS:
@@ -113,12 +130,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         blocks = [[max(r["times"][ep][k][i] for r in results) for i in range(args.steps)] for k in range(args.rounds)]
         comm = results[0]["comm"][ep]
         med, q1, q3 = summary(steps_of(blocks))
-        row = {"ep": ep, "blocks": blocks, "comm_blocks": comm, "step_s": med,
-               "all_to_all_s": statistics.median(steps_of(comm)), "tokens_per_s": WORLD * args.tokens / med}
+        row = {
+            "ep": ep,
+            "blocks": blocks,
+            "comm_blocks": comm,
+            "step_s": med,
+            "all_to_all_s": statistics.median(steps_of(comm)),
+            "tokens_per_s": WORLD * args.tokens / med,
+        }
         rows.append(row)
-        print(f"| {ep} | {args.experts // ep} | {med * 1e3:.1f} | {(q3 - q1) * 1e3:.1f} | "
-              f"{row['all_to_all_s'] * 1e3:.1f} | {show(share(row))} | {row['tokens_per_s']:,.0f} | "
-              f"{show(vs_ep1(rows[0], row))} |")
+        print(
+            f"| {ep} | {args.experts // ep} | {med * 1e3:.1f} | {(q3 - q1) * 1e3:.1f} | "
+            f"{row['all_to_all_s'] * 1e3:.1f} | {show(share(row))} | {row['tokens_per_s']:,.0f} | "
+            f"{show(vs_ep1(rows[0], row))} |"
+        )
     return rows
 
 

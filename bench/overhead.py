@@ -8,6 +8,7 @@ ratio is the median per-round ratio with its 95% bootstrap interval (bench/stats
 
     python bench/overhead.py [--preset tiny] [--rounds 6] [--steps 20] [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-
-from threefold.config import build_config  # noqa: E402
-from threefold.data import load_tokens, GlobalBatchSampler  # noqa: E402
 from stats import show  # noqa: E402
 from timing import cell, ratio, steps_of  # noqa: E402
+
+from threefold.config import build_config  # noqa: E402
+from threefold.data import GlobalBatchSampler, load_tokens  # noqa: E402
 from threefold.model.meta import plain_model  # noqa: E402
 from threefold.train.optim import param_groups  # noqa: E402
 from threefold.train.worker import run_worker  # noqa: E402
@@ -36,8 +37,16 @@ WARM = 2  # step intervals dropped from each run of either contestant: steps 2 a
 
 
 def make_cfg(preset: str, steps: int, log_dir: str):
-    cfg = build_config(None, [("model.preset", preset), ("train.steps", str(steps)), ("log.dir", log_dir),
-                              ("log.quiet", "true"), ("train.warmup_steps", "2")])
+    cfg = build_config(
+        None,
+        [
+            ("model.preset", preset),
+            ("train.steps", str(steps)),
+            ("log.dir", log_dir),
+            ("log.quiet", "true"),
+            ("train.warmup_steps", "2"),
+        ],
+    )
     return validate(cfg)
 
 
@@ -52,8 +61,9 @@ def plain_step_times(preset: str, steps: int) -> list[float]:
     cfg = make_cfg(preset, steps, "")
     m, t = cfg.model, cfg.train
     model = plain_model(m, t.seed, "cpu")
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
-                            foreach=True)
+    opt = torch.optim.AdamW(
+        param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True
+    )
     tokens = load_tokens("", 0, "uint16", "").tokens
     sampler = GlobalBatchSampler(len(tokens), m.seq_len, t.global_batch, t.seed)
     n_tokens = t.global_batch * m.seq_len
@@ -83,23 +93,33 @@ def main(argv=None) -> dict:
         blocks["threefold"].append(threefold_step_times(args.preset, args.steps))
         blocks["plain"].append(plain_step_times(args.preset, args.steps))
     result = {"preset": args.preset, "blocks": blocks, "rounds": args.rounds, "steps": args.steps}
-    print(f"{args.rounds} rounds x {args.steps} steps (first {WARM} intervals of each run dropped); median [IQR] ms "
-          "over all kept steps; ratio: median per-round ratio of run medians [95% bootstrap interval]\n")
+    print(
+        f"{args.rounds} rounds x {args.steps} steps (first {WARM} intervals of each run dropped); median [IQR] ms "
+        "over all kept steps; ratio: median per-round ratio of run medians [95% bootstrap interval]\n"
+    )
     print("| preset | threefold ms | plain loop ms | ratio |")
     print("|---|---|---|---|")
-    print(f"| {args.preset} | {cell(steps_of(blocks['threefold']))} | {cell(steps_of(blocks['plain']))} | "
-          f"{show(ratio(blocks, 'threefold', 'plain'))} |")
+    print(
+        f"| {args.preset} | {cell(steps_of(blocks['threefold']))} | {cell(steps_of(blocks['plain']))} | "
+        f"{show(ratio(blocks, 'threefold', 'plain'))} |"
+    )
     print("\nSingle process: this ratio is the framework's own per-step Python overhead, by design.\n")
     print("Contestants:\n")
-    print("- threefold: `threefold train`'s worker in this process (run_worker, dp = tp = pp = 1): prefetching "
-          "data loader, DataParallel engine (its AdamW: torch's foreach arithmetic on flat buffers, weight decay "
-          "on matrices only), grad norm + clip at the config's grad_clip, lr schedule, health guard, a metrics "
-          "line per step.")
-    print("- plain loop: the same model (plain_model, same init) and sampler, AdamW(foreach=True, eps 1e-8) with "
-          "threefold.train.optim.param_groups, clip_grad_norm_(foreach=True), zero_grad(set_to_none=True), "
-          "constant lr.")
-    print(f"- Both: one process, one thread, {args.steps} steps per run, the first {WARM} step intervals dropped; "
-          f"{args.rounds} rounds alternating threefold, plain.")
+    print(
+        "- threefold: `threefold train`'s worker in this process (run_worker, dp = tp = pp = 1): prefetching "
+        "data loader, DataParallel engine (its AdamW: torch's foreach arithmetic on flat buffers, weight decay "
+        "on matrices only), grad norm + clip at the config's grad_clip, lr schedule, health guard, a metrics "
+        "line per step."
+    )
+    print(
+        "- plain loop: the same model (plain_model, same init) and sampler, AdamW(foreach=True, eps 1e-8) with "
+        "threefold.train.optim.param_groups, clip_grad_norm_(foreach=True), zero_grad(set_to_none=True), "
+        "constant lr."
+    )
+    print(
+        f"- Both: one process, one thread, {args.steps} steps per run, the first {WARM} step intervals dropped; "
+        f"{args.rounds} rounds alternating threefold, plain."
+    )
     return result
 
 

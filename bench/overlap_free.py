@@ -13,6 +13,7 @@ freeing a pipeline stage's output once it is sent.
 
     python bench/overlap_free.py [--rounds 4] [--steps 12] [--warmup 3] [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,16 @@ MEMORY = {"1f1b": PP_RUN, "gpipe": [*PP_RUN, "--parallel.schedule", "gpipe"]}
 
 def stage0_activations(args: list[str], free: bool) -> dict:
     """Stage 0's measured and predicted peak activation bytes, from `threefold memory --json`."""
-    cmd = [sys.executable, "-m", "threefold", "memory", *args, "--parallel.free_sent_outputs",
-           "true" if free else "false", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "threefold",
+        "memory",
+        *args,
+        "--parallel.free_sent_outputs",
+        "true" if free else "false",
+        "--json",
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     row = next(r for r in json.loads(out.stdout) if r["pp"] == 0)
     return {"measured": row["measured"]["activations"], "predicted": row["predicted"]["activations"]}
@@ -55,29 +64,47 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.rounds, args.steps, args.warmup = 2, 5, 2
-    timed = {name: on_off_rounds(run, "parallel.tp_comm_overlap", args.rounds, args.steps, args.warmup)
-             for name, run in TP_RUNS.items()}
+    timed = {
+        name: on_off_rounds(run, "parallel.tp_comm_overlap", args.rounds, args.steps, args.warmup)
+        for name, run in TP_RUNS.items()
+    }
     timed["pp2 1f1b"] = on_off_rounds(PP_RUN, "parallel.free_sent_outputs", args.rounds, args.steps, args.warmup)
-    memory = {name: {"on": stage0_activations(run, True), "off": stage0_activations(run, False),
-                     "output_bytes": output_bytes(run)} for name, run in MEMORY.items()}
+    memory = {
+        name: {
+            "on": stage0_activations(run, True),
+            "off": stage0_activations(run, False),
+            "output_bytes": output_bytes(run),
+        }
+        for name, run in MEMORY.items()
+    }
 
-    print(f"Step time: {args.rounds} rounds of one `threefold train` run each way (order alternating) x "
-          f"{args.steps} steps, the first {args.warmup} intervals dropped; median [IQR] ms/step; on / off: median "
-          "per-round ratio [95% bootstrap interval]. Tiny preset, global batch 16.\n")
+    print(
+        f"Step time: {args.rounds} rounds of one `threefold train` run each way (order alternating) x "
+        f"{args.steps} steps, the first {args.warmup} intervals dropped; median [IQR] ms/step; on / off: median "
+        "per-round ratio [95% bootstrap interval]. Tiny preset, global batch 16.\n"
+    )
     print("| run | setting | off (ms/step) | on (ms/step) | on / off |")
     print("|---|---|---|---|---|")
     for name, blocks in timed.items():
         key = "free_sent_outputs" if name.startswith("pp") else "tp_comm_overlap"
-        print(f"| {name} | `parallel.{key}` | {cell(steps_of(blocks['off']))} | {cell(steps_of(blocks['on']))} | "
-              f"{show(ratio(blocks, 'on', 'off'))} |")
-    print("\nStage 0 peak activation memory of one pp2 step (`threefold memory`; micro-batch 2, 8 micro-batches; "
-          "measured bytes, exact). Saved = off - on, in stage outputs of one micro-batch.\n")
-    print("| schedule | free_sent_outputs off (MiB) | on (MiB) | on / off | saved (outputs) | on: measured / predicted |")
+        print(
+            f"| {name} | `parallel.{key}` | {cell(steps_of(blocks['off']))} | {cell(steps_of(blocks['on']))} | "
+            f"{show(ratio(blocks, 'on', 'off'))} |"
+        )
+    print(
+        "\nStage 0 peak activation memory of one pp2 step (`threefold memory`; micro-batch 2, 8 micro-batches; "
+        "measured bytes, exact). Saved = off - on, in stage outputs of one micro-batch.\n"
+    )
+    print(
+        "| schedule | free_sent_outputs off (MiB) | on (MiB) | on / off | saved (outputs) | on: measured / predicted |"
+    )
     print("|---|---|---|---|---|---|")
     for name, m in memory.items():
         on, off = m["on"]["measured"], m["off"]["measured"]
-        print(f"| {name} | {off / 2**20:.3f} | {on / 2**20:.3f} | {on / off:.3f} | {(off - on) / m['output_bytes']:.2f} "
-              f"| {on / m['on']['predicted']:.3f} |")
+        print(
+            f"| {name} | {off / 2**20:.3f} | {on / 2**20:.3f} | {on / off:.3f} | {(off - on) / m['output_bytes']:.2f} "
+            f"| {on / m['on']['predicted']:.3f} |"
+        )
     return {"timed": timed, "memory": memory}
 
 

@@ -13,6 +13,7 @@ full 3D run, tp2 x pp2 x dp2 on 8 processes (TP collectives, pipeline transfers,
 reduction, cores shared 4 ways); the share of a core 4 processes get follows from the cpu
 profile's measured `core_share_exponent`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,15 @@ sys.path.insert(0, str(ROOT))
 
 # (name, dp, tp, pp): dp/tp/pp combinations of 1..4 on 4 and 8 processes, and one process.
 MATRIX = [
-    ("dp1", 1, 1, 1), ("dp4", 4, 1, 1), ("dp8", 8, 1, 1),
-    ("tp2dp2", 2, 2, 1), ("tp4", 1, 4, 1), ("tp2dp4", 4, 2, 1),
-    ("pp2dp2", 2, 1, 2), ("pp4", 1, 1, 4), ("tp2pp2dp2", 2, 2, 2),
+    ("dp1", 1, 1, 1),
+    ("dp4", 4, 1, 1),
+    ("dp8", 8, 1, 1),
+    ("tp2dp2", 2, 2, 1),
+    ("tp4", 1, 4, 1),
+    ("tp2dp4", 4, 2, 1),
+    ("pp2dp2", 2, 1, 2),
+    ("pp4", 1, 1, 4),
+    ("tp2pp2dp2", 2, 2, 2),
 ]
 
 
@@ -44,12 +51,36 @@ def run_layout(out: Path, name: str, dp: int, tp: int, pp: int, args) -> tuple[s
         for f in run_dir.iterdir():
             if f.is_file():
                 f.unlink()
-    cmd = [sys.executable, "-m", "threefold", "train", "--model.preset", args.preset,
-           "--parallel.dp", str(dp), "--parallel.tp", str(tp), "--parallel.pp", str(pp),
-           "--train.steps", str(args.steps), "--train.global_batch", str(args.global_batch),
-           "--train.micro_batch", str(args.micro_batch), "--train.warmup_steps", "1",
-           "--log.dir", str(run_dir), "--log.quiet", "true", "--data.prefetch", "0",
-           "--log.spans", "true" if args.spans else "false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "threefold",
+        "train",
+        "--model.preset",
+        args.preset,
+        "--parallel.dp",
+        str(dp),
+        "--parallel.tp",
+        str(tp),
+        "--parallel.pp",
+        str(pp),
+        "--train.steps",
+        str(args.steps),
+        "--train.global_batch",
+        str(args.global_batch),
+        "--train.micro_batch",
+        str(args.micro_batch),
+        "--train.warmup_steps",
+        "1",
+        "--log.dir",
+        str(run_dir),
+        "--log.quiet",
+        "true",
+        "--data.prefetch",
+        "0",
+        "--log.spans",
+        "true" if args.spans else "false",
+    ]
     if args.seq_len:
         cmd += ["--model.seq_len", str(args.seq_len)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -68,8 +99,9 @@ def run_layout(out: Path, name: str, dp: int, tp: int, pp: int, args) -> tuple[s
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Prints the calibration and the table; returns one row per held-out run (name, error)."""
-    ap = argparse.ArgumentParser(prog="bench/planner_calibration.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="bench/planner_calibration.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default="runs/planner_calibration", help="directory for the run directories")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--seq-len", type=int, default=128, help="override model.seq_len (0 = the preset's)")
@@ -79,16 +111,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--timeout", type=int, default=900, help="seconds per training run")
     ap.add_argument("--only", choices=("dp", "tp", "pp"), help="run only layouts using this dimension (dp: dp-only)")
     ap.add_argument("--names", default="", help="comma-separated run names of the matrix to run (default: all)")
-    ap.add_argument("--host-cores", type=int, default=0,
-                    help="cores the processes really get (default: run.json's; less when the machine is shared)")
+    ap.add_argument(
+        "--host-cores",
+        type=int,
+        default=0,
+        help="cores the processes really get (default: run.json's; less when the machine is shared)",
+    )
     ap.add_argument("--calibrate-on", default="dp1,tp2pp2dp2", help="two run names to fit on")
     ap.add_argument("--fit", default="", help="parameters to fit (default: chosen by the planner)")
-    ap.add_argument("--spans", type=int, default=1,
-                    help="1: time each step by category (log.spans), so every run gives one equation per category")
+    ap.add_argument(
+        "--spans",
+        type=int,
+        default=1,
+        help="1: time each step by category (log.spans), so every run gives one equation per category",
+    )
     ap.add_argument("--reuse", action="store_true", help="keep finished run directories")
     ap.add_argument("--no-train", action="store_true", help="only calibrate on what is already in --out")
-    ap.add_argument("--quick", action="store_true",
-                    help="tiny preset, 4 steps; calibrated on dp1 and tp2dp2, predicts pp2dp2: indicative only")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny preset, 4 steps; calibrated on dp1 and tp2dp2, predicts pp2dp2: indicative only",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.preset, args.steps = "tiny", 4
@@ -132,8 +175,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         given["host_cores"] = args.host_cores
     base = build_cluster(given)
     free = [s for s in args.fit.split(",") if s] or None
-    cal = fit([done[n] for n in calib], base, free, [r for n, r in done.items() if n not in calib],
-              explicit={"host_cores"} if args.host_cores else set())
+    cal = fit(
+        [done[n] for n in calib],
+        base,
+        free,
+        [r for n, r in done.items() if n not in calib],
+        explicit={"host_cores"} if args.host_cores else set(),
+    )
     print()
     print(calibration_text(cal))
     print()
@@ -146,11 +194,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         lay = row.run.layout
         err = row.fitted / row.measured - 1
         flag = " (calibration)" if not row.held_out else (" **over 25%**" if abs(err) > 0.25 else "")
-        print(f"| {row.run.name}{flag} | {lay.dp} | {lay.tp} | {lay.pp} | {lay.world} | {row.measured:.3f} | "
-              f"{row.fitted:.3f} | {err:+.1%} |")
+        print(
+            f"| {row.run.name}{flag} | {lay.dp} | {lay.tp} | {lay.pp} | {lay.world} | {row.measured:.3f} | "
+            f"{row.fitted:.3f} | {err:+.1%} |"
+        )
         if row.held_out:
-            rows.append({"name": row.run.name, "error": err, "predicted_s": row.fitted,
-                         "step_times_s": used_step_times(row.run.path)})
+            rows.append(
+                {
+                    "name": row.run.name,
+                    "error": err,
+                    "predicted_s": row.fitted,
+                    "step_times_s": used_step_times(row.run.path),
+                }
+            )
     for name, (state, detail) in status.items():
         if state != "ok":
             print(f"| {name} | | | | | {state}: {detail} | | |")
@@ -164,14 +220,13 @@ def used_step_times(run_dir: str) -> list[float]:
 
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     times = [json.loads(line)["step_time_s"] for line in lines if line.strip()]
-    return times[max(1, len(times) // 5):] or times[-1:]
+    return times[max(1, len(times) // 5) :] or times[-1:]
 
 
 def worst_error(rows: list[dict]):
     """The worst held-out |predicted / measured - 1| with a 95% bootstrap interval: each run's
     steps are resampled, its median and error recomputed, and the worst run taken."""
     import numpy as np
-
     from stats import bootstrap
 
     predicted = np.array([r["predicted_s"] for r in rows])
@@ -181,8 +236,9 @@ def worst_error(rows: list[dict]):
         return np.abs(predicted / medians - 1).max(axis=-1)
 
     steps = min(len(r["step_times_s"]) for r in rows)
-    return bootstrap([r["step_times_s"] for r in rows], statistic,
-                     f"worst of {len(rows)} runs, steps resampled ({steps}+ per run)")
+    return bootstrap(
+        [r["step_times_s"] for r in rows], statistic, f"worst of {len(rows)} runs, steps resampled ({steps}+ per run)"
+    )
 
 
 def print_category_errors(cal) -> None:
@@ -197,8 +253,10 @@ def print_category_errors(cal) -> None:
     errors = {(r.run.name, r.category): r.fitted / r.measured - 1 for r in cal.rows}
     runs = list(dict.fromkeys(r.run.name + (" (calibration)" if not r.held_out else "") for r in cal.rows))
     labels = [MEASURED_AS[n] for n in names]
-    print(f"\nPer category, predicted / measured - 1 on the slowest rank (spans); plans print a category outside "
-          f"{TOLERANCE:.0%} with its band:\n")
+    print(
+        f"\nPer category, predicted / measured - 1 on the slowest rank (spans); plans print a category outside "
+        f"{TOLERANCE:.0%} with its band:\n"
+    )
     print("| run | " + " | ".join(labels) + " |")
     print("|---|" + "---|" * len(labels))
     for run in runs:
@@ -206,8 +264,11 @@ def print_category_errors(cal) -> None:
         cells = [Band(errors[name, n], errors[name, n], 1).text() if (name, n) in errors else "-" for n in names]
         print(f"| {run} | " + " | ".join(cells) + " |")
     bands = cal.bands()
-    print("| **band** | " + " | ".join(bands[label].text() + ("" if bands[label].within else " (outside)")
-                                    for label in labels) + " |")
+    print(
+        "| **band** | "
+        + " | ".join(bands[label].text() + ("" if bands[label].within else " (outside)") for label in labels)
+        + " |"
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ the median over steps with its 95% bootstrap interval (bench/stats.py).
 
     python bench/pp_bubble.py [--p 4] [--m 8] [--forward-ms 10] [--steps 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,9 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from harness import run_ranks  # noqa: E402
 from stats import Interval, bootstrap_median, show  # noqa: E402
+
+from harness import run_ranks  # noqa: E402
 
 
 def bubble_worker(cases: list[tuple[str, int]], p: int, m: int, forward_s: float, steps: int) -> dict:
@@ -45,8 +47,9 @@ def bubble_worker(cases: list[tuple[str, int]], p: int, m: int, forward_s: float
         if store:
             attach_weight_grad_store(chunks, store)
         wire = WireFormat((4, 4), torch.float32, torch.device("cpu"))
-        plan = StagePlan(chunks, [c * p + r == 0 for c in range(v)], [c * p + r == stages - 1 for c in range(v)],
-                         wire, grid.pp)
+        plan = StagePlan(
+            chunks, [c * p + r == 0 for c in range(v)], [c * p + r == stages - 1 for c in range(v)], wire, grid.pp
+        )
         executor = PipelineExecutor(plan, build_schedule(schedule, p, m, v)[r], store)
         micro = [(torch.ones(4, 4), torch.zeros(4, 4)) for _ in range(m)]
         bubbles = []
@@ -91,11 +94,21 @@ def main(argv=None) -> list[dict]:
     print("|---|---|---|---|---|---|---|")
     for schedule, v in cases:
         want = theory(schedule, args.p, args.m, v)
-        row = {"schedule": schedule, "p": args.p, "m": args.m, "v": v, "per_step": measured[schedule],
-               "measured": statistics.median(measured[schedule]), "theory": want}
+        row = {
+            "schedule": schedule,
+            "p": args.p,
+            "m": args.m,
+            "v": v,
+            "per_step": measured[schedule],
+            "measured": statistics.median(measured[schedule]),
+            "theory": want,
+        }
         rows.append(row)
-        print(f"| {schedule} | {args.p} | {args.m} | {v} | {row['measured']:.3f} | {want:.3f} | "
-              f"{show(over_theory(row))} |", flush=True)
+        print(
+            f"| {schedule} | {args.p} | {args.m} | {v} | {row['measured']:.3f} | {want:.3f} | "
+            f"{show(over_theory(row))} |",
+            flush=True,
+        )
     return rows
 
 

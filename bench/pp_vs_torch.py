@@ -26,6 +26,7 @@ AdamW step) checks that the gradients agree too.
 
     python bench/pp_vs_torch.py [--steps 1] [--rounds 8] [--warmup 2] [--p 2 4] [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,10 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from harness import run_ranks  # noqa: E402
 from stats import show  # noqa: E402
 from timing import alternate, cell, ratio, steps_of  # noqa: E402
+
+from harness import run_ranks  # noqa: E402
 
 GLOBAL_BATCH = 16
 
@@ -60,9 +62,17 @@ def make_cfg(schedule: str, p: int, m: int, v: int, layers: int, preset: str):
     from threefold.config import build_config
     from threefold.validate import validate
 
-    pairs = [("model.preset", preset), ("model.layers", str(layers)), ("parallel.pp", str(p)),
-             ("parallel.schedule", schedule), ("parallel.vpp", str(v)), ("parallel.microbatches", str(m)),
-             ("train.global_batch", str(GLOBAL_BATCH)), ("log.dir", ""), ("log.quiet", "true")]
+    pairs = [
+        ("model.preset", preset),
+        ("model.layers", str(layers)),
+        ("parallel.pp", str(p)),
+        ("parallel.schedule", schedule),
+        ("parallel.vpp", str(v)),
+        ("parallel.microbatches", str(m)),
+        ("train.global_batch", str(GLOBAL_BATCH)),
+        ("log.dir", ""),
+        ("log.quiet", "true"),
+    ]
     return validate(build_config(None, pairs), p)
 
 
@@ -111,8 +121,12 @@ def torch_contestant(cfg, grid, schedule_name: str, v: int, placement: str, n_to
         return cross_entropy_sum(logits, targets.t()) / n_tokens
 
     cls = getattr(pipelining, schedule_name)
-    schedule = cls(pipe_stages if v > 1 else pipe_stages[0], n_microbatches=cfg.parallel.microbatches,
-                   loss_fn=loss_fn, scale_grads=False)
+    schedule = cls(
+        pipe_stages if v > 1 else pipe_stages[0],
+        n_microbatches=cfg.parallel.microbatches,
+        loss_fn=loss_fn,
+        scale_grads=False,
+    )
     opt = build_optimizer(nn.ModuleList(chunks), cfg.train)
     first, last = 0 in ids, stages - 1 in ids
 
@@ -148,13 +162,24 @@ def bench_worker(p: int, cases: list, preset: str, rounds: int, steps: int, warm
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, cfg.model.vocab, (GLOBAL_BATCH, seq + 1), generator=gen)
         x, y, n_tokens = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), GLOBAL_BATCH * seq
-        contestants = {"threefold": partial(threefold_contestant(cfg, grid), x, y, n_tokens),
-                       "torch": partial(torch_contestant(cfg, grid, torch_cls, torch_v, placement, n_tokens), x, y,
-                                        n_tokens)}
+        contestants = {
+            "threefold": partial(threefold_contestant(cfg, grid), x, y, n_tokens),
+            "torch": partial(torch_contestant(cfg, grid, torch_cls, torch_v, placement, n_tokens), x, y, n_tokens),
+        }
         losses = {k: [step(), step()] for k, step in contestants.items()}
         blocks = alternate(contestants, rounds, steps, dist.barrier, warmup)
-        out.append({"name": name, "p": p, "m": m, "v": (v, torch_v), "layers": layers, "torch": torch_cls,
-                    "blocks": blocks, "losses": losses})
+        out.append(
+            {
+                "name": name,
+                "p": p,
+                "m": m,
+                "v": (v, torch_v),
+                "layers": layers,
+                "torch": torch_cls,
+                "blocks": blocks,
+                "losses": losses,
+            }
+        )
         del contestants
         gc.collect()
     shutdown_distributed()
@@ -187,11 +212,14 @@ def main(argv=None) -> list[dict]:
     for p in args.p:
         cases = [c for c in CASES[p] if c[0] in args.pairs]
         if cases:
-            rows += merge(run_ranks(bench_worker, p, p, cases, args.preset, args.rounds, args.steps, args.warmup,
-                                    timeout=900))
-    print(f"\nPipeline training step (executor/schedule + AdamW), {args.preset} preset, global batch {GLOBAL_BATCH}, "
-          f"CPU/gloo, 1 thread per rank, {args.rounds} rounds x {args.steps} steps, median [IQR] ms on pp rank 0 "
-          f"({time.perf_counter() - t0:.0f} s); ratio: median per-round ratio [95% bootstrap interval]\n")
+            rows += merge(
+                run_ranks(bench_worker, p, p, cases, args.preset, args.rounds, args.steps, args.warmup, timeout=900)
+            )
+    print(
+        f"\nPipeline training step (executor/schedule + AdamW), {args.preset} preset, global batch {GLOBAL_BATCH}, "
+        f"CPU/gloo, 1 thread per rank, {args.rounds} rounds x {args.steps} steps, median [IQR] ms on pp rank 0 "
+        f"({time.perf_counter() - t0:.0f} s); ratio: median per-round ratio [95% bootstrap interval]\n"
+    )
     print("| schedule | p | m | v | threefold ms | torch ms | ratio | loss A | loss B |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -199,11 +227,15 @@ def main(argv=None) -> list[dict]:
         va, vb = r["v"]
         v = str(va) if va == vb else f"{va} / {vb}"
         la, lb = r["losses"]["threefold"][0], r["losses"]["torch"][0]
-        print(f"| {r['name']} ({r['torch']}, {r['layers']} layers) | {r['p']} | {r['m']} | {v} | "
-              f"{cell(steps_of(b['threefold']))} | {cell(steps_of(b['torch']))} | "
-              f"{show(ratio(b, 'threefold', 'torch'))} | {la:.6f} | {lb:.6f} |")
-    print("\nWith the tiny model on CPU each micro-batch computes briefly, so the ratios weigh each side's "
-          "per-action Python overhead (schedule bookkeeping, p2p set-up) alongside the schedules themselves.")
+        print(
+            f"| {r['name']} ({r['torch']}, {r['layers']} layers) | {r['p']} | {r['m']} | {v} | "
+            f"{cell(steps_of(b['threefold']))} | {cell(steps_of(b['torch']))} | "
+            f"{show(ratio(b, 'threefold', 'torch'))} | {la:.6f} | {lb:.6f} |"
+        )
+    print(
+        "\nWith the tiny model on CPU each micro-batch computes briefly, so the ratios weigh each side's "
+        "per-action Python overhead (schedule bookkeeping, p2p set-up) alongside the schedules themselves."
+    )
     print("\nSecond-step loss (after one AdamW step on each side's own gradients):\n")
     print("| schedule | p | loss A | loss B | abs diff |")
     print("|---|---|---|---|---|")
@@ -211,16 +243,22 @@ def main(argv=None) -> list[dict]:
         la, lb = r["losses"]["threefold"][1], r["losses"]["torch"][1]
         print(f"| {r['name']} | {r['p']} | {la:.6f} | {lb:.6f} | {abs(la - lb):.1e} |")
     print("\nContestants:\n")
-    print("- threefold: build_stage over build_model (the chunks of this rank), PipelineExecutor.run with the "
-          "schedule's action list, loss scaled by the global tokens; AdamW(foreach=True) "
-          "(threefold.train.optim.build_optimizer), zero_grad(set_to_none=True).")
-    print("- torch: one torch.distributed.pipelining.PipelineStage per virtual stage over the same chunks, the "
-          "schedule class named in the table (n_microbatches=m, loss_fn = summed cross-entropy / global tokens, "
-          "scale_grads=False), schedule.step; the same AdamW(foreach=True) and zero_grad(set_to_none=True).")
-    print(f"- Both: pipeline group of p gloo ranks (one per stage rank), no gradient clipping, constant lr, the same "
-          f"fixed batch; two loss-check steps and {args.warmup} untimed warm-up step(s) each, then {args.rounds} "
-          f"rounds x {args.steps} step(s) alternating threefold, torch; per-round value = median of the round's "
-          "step times on pp rank 0.")
+    print(
+        "- threefold: build_stage over build_model (the chunks of this rank), PipelineExecutor.run with the "
+        "schedule's action list, loss scaled by the global tokens; AdamW(foreach=True) "
+        "(threefold.train.optim.build_optimizer), zero_grad(set_to_none=True)."
+    )
+    print(
+        "- torch: one torch.distributed.pipelining.PipelineStage per virtual stage over the same chunks, the "
+        "schedule class named in the table (n_microbatches=m, loss_fn = summed cross-entropy / global tokens, "
+        "scale_grads=False), schedule.step; the same AdamW(foreach=True) and zero_grad(set_to_none=True)."
+    )
+    print(
+        f"- Both: pipeline group of p gloo ranks (one per stage rank), no gradient clipping, constant lr, the same "
+        f"fixed batch; two loss-check steps and {args.warmup} untimed warm-up step(s) each, then {args.rounds} "
+        f"rounds x {args.steps} step(s) alternating threefold, torch; per-round value = median of the round's "
+        "step times on pp rank 0."
+    )
     return rows
 
 

@@ -14,6 +14,7 @@ over the group sizes. With more ranks than cores a rank's peer is often off its 
 rank's message arrives, so each step waits for the scheduler to give the peer its core back:
 that wait, not the wire, is the ring-step latency the planner's cpu profile uses.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,7 +58,7 @@ def _rank_main(groups: list[int], calls: int, burst_ms: float, rounds: int) -> d
         dist.all_reduce(x, group=mine[g])
     times: dict[int, list[float]] = {g: [] for g in groups}
     for r in range(rounds):  # group sizes alternate (A, B, A, B ...) so machine drift hits all alike
-        for g in (groups if r % 2 == 0 else groups[::-1]):
+        for g in groups if r % 2 == 0 else groups[::-1]:
             dist.barrier()
             for _ in range(calls // rounds):
                 for _ in range(reps):
@@ -72,6 +73,7 @@ def _rank_main(groups: list[int], calls: int, burst_ms: float, rounds: int) -> d
 def group_ratio(per_rank: list[dict], a: int, b: int) -> Interval:
     """call(a) / call(b), a call costing the slowest rank's median, with a 95% interval from
     resampling every rank's calls (each rank and group size independently)."""
+
     def statistic(*arrays):  # the a-group arrays of every rank, then the b-group ones
         ranks = len(per_rank)
         slowest = lambda xs: np.max([np.median(x, axis=-1) for x in xs], axis=0)  # noqa: E731
@@ -82,13 +84,18 @@ def group_ratio(per_rank: list[dict], a: int, b: int) -> Interval:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="bench/ring_latency.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="bench/ring_latency.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--world", type=int, default=4, help="ranks (more than the host's cores to measure sharing)")
     ap.add_argument("--groups", type=int, nargs="+", default=[2, 4], help="group sizes (each divides --world)")
     ap.add_argument("--calls", type=int, default=80, help="timed all-reduces per group size")
-    ap.add_argument("--burst-ms", type=float, default=20.0,
-                    help="compute between two calls, milliseconds (training's TP collectives: ~10-40)")
+    ap.add_argument(
+        "--burst-ms",
+        type=float,
+        default=20.0,
+        help="compute between two calls, milliseconds (training's TP collectives: ~10-40)",
+    )
     ap.add_argument("--rounds", type=int, default=4, help="blocks per group size, the sizes alternating")
     ap.add_argument("--quick", action="store_true", help="30 calls per group size: indicative only")
     args = ap.parse_args(argv)
@@ -102,18 +109,24 @@ def main(argv: list[str] | None = None) -> dict:
     call = {g: max(statistics.median(r[g]) for r in per_rank) for g in args.groups}
     steps = np.array([[1.0, 2 * (g - 1)] for g in args.groups])
     (overhead, step), *_ = np.linalg.lstsq(steps, np.array([call[g] for g in args.groups]), rcond=None)
-    print(f"{args.world} ranks on {available_cores()} cores, "
-          f"{args.burst_ms:g} ms of compute between calls\n")
+    print(f"{args.world} ranks on {available_cores()} cores, {args.burst_ms:g} ms of compute between calls\n")
     print("| group | ring steps | ms per all-reduce |")
     print("|---|---|---|")
     for g in args.groups:
         print(f"| {g} | {2 * (g - 1)} | {call[g] * 1e3:.2f} |")
     print(f"fit: collective_overhead_us {overhead * 1e6:.0f}, intra_latency_us {step * 1e6:.0f}")
     big, small = max(args.groups), min(args.groups)
-    print(f"\ngroup of {big} / group of {small} per call: {show(group_ratio(per_rank, big, small))} "
-          "(95% bootstrap interval)")
-    return {"world": args.world, "call_s": call, "samples": per_rank, "collective_overhead_us": overhead * 1e6,
-            "intra_latency_us": step * 1e6}
+    print(
+        f"\ngroup of {big} / group of {small} per call: {show(group_ratio(per_rank, big, small))} "
+        "(95% bootstrap interval)"
+    )
+    return {
+        "world": args.world,
+        "call_s": call,
+        "samples": per_rank,
+        "collective_overhead_us": overhead * 1e6,
+        "intra_latency_us": step * 1e6,
+    }
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ comparisons), a title, the arguments of a full and of a quick run, a function fr
 named ratios (bench/stats.py Intervals; a bare float counts as exact), and goals by
 ratio-name prefix. A goal is met only when the ratio's whole 95% interval clears it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,9 +45,14 @@ from timing import ratio  # noqa: E402
 def _dp_ratios(r: dict) -> dict[str, Interval]:
     from dp_vs_ddp import hidden
 
-    out = {f"{label} time": ratio(r[key], "threefold", "torch")
-           for key, label in (("dp", "zero 0 / DDP"), ("zero1", "zero 1 / ZeroRedundancyOptimizer"),
-                              ("zero3", "zero 3 / FSDP2"))}
+    out = {
+        f"{label} time": ratio(r[key], "threefold", "torch")
+        for key, label in (
+            ("dp", "zero 0 / DDP"),
+            ("zero1", "zero 1 / ZeroRedundancyOptimizer"),
+            ("zero3", "zero 3 / FSDP2"),
+        )
+    }
     out["zero 3 / FSDP2 memory"] = exact(r["zero3_memory"]["threefold"] / r["zero3_memory"]["torch"])
     for key, label in (("overlap0", "zero 0"), ("overlap2", "zero 2")):
         out[f"{label} DP communication hidden"] = hidden(r[key])
@@ -62,8 +68,11 @@ def _planner_worst(rows: list[dict]) -> Interval:
 def _threed_ratios(r: dict) -> dict[str, Interval]:
     from threed_vs_torch import comm_ratios
 
-    return {"tokens/s threefold / torch": ratio(r["blocks"], "torch", "threefold"),
-            "max loss difference": exact(r["loss_diff"]), **{k: exact(v) for k, v in comm_ratios(r).items()}}
+    return {
+        "tokens/s threefold / torch": ratio(r["blocks"], "torch", "threefold"),
+        "max loss difference": exact(r["loss_diff"]),
+        **{k: exact(v) for k, v in comm_ratios(r).items()},
+    }
 
 
 def _bubble_ratios(rows: list) -> dict[str, Interval]:
@@ -81,8 +90,10 @@ def _checkpoint_ratios(r: dict) -> dict[str, Interval]:
 def _moe_ratios(rows: list) -> dict[str, Interval]:
     from moe_dispatch import share, vs_ep1
 
-    return {**{f"ep{r['ep']} / ep1 tokens/s": vs_ep1(rows[0], r) for r in rows[1:]},
-            **{f"ep{r['ep']} all-to-all share": share(r) for r in rows[1:]}}
+    return {
+        **{f"ep{r['ep']} / ep1 tokens/s": vs_ep1(rows[0], r) for r in rows[1:]},
+        **{f"ep{r['ep']} all-to-all share": share(r) for r in rows[1:]},
+    }
 
 
 def _ring_ratio(r: dict) -> dict[str, Interval]:
@@ -99,67 +110,126 @@ def _overlap_free_ratios(r: dict) -> dict[str, Interval]:
 
 
 SECTIONS = [
-    Script("overhead", "Framework overhead: threefold vs a plain PyTorch loop (single process)",
-           "--rounds 6 --steps 20", "--quick",
-           lambda r: {"threefold / plain loop time": ratio(r["blocks"], "threefold", "plain")},
-           {"threefold / plain": "<= 1.05"}),
-    Script("dp_vs_ddp", "Data parallelism and ZeRO vs DDP, ZeroRedundancyOptimizer, FSDP2 (2 ranks)",
-           "--rounds 12 --steps 2", "--quick", _dp_ratios,
-           {"zero 0 / DDP": "<= 1.0", "zero 3 / FSDP2 time": "<= 0.8", "zero 3 / FSDP2 memory": "<= 1.0"}),
-    Script("tp_vs_dtensor", "Tensor parallelism vs PyTorch DTensor",
-           "--rounds 6 --steps 2 --warmup 2", "--tp 2 --sp off --rounds 3 --steps 1 --warmup 2",
-           lambda rows: {f"tp{r['tp']} sp {r['sp']} time": ratio(r["blocks"], "threefold", "dtensor") for r in rows},
-           {"tp": "<= 0.8"}),
-    Script("tp_memory", "Activation memory per rank vs the formulas (Korthikanti et al. 2022, adjusted)",
-           "", "--tp 2 --attention flash --seq 128",
-           lambda rows: {"worst distance of measured / predicted from 1":
-                         exact(max(abs(r["ratio"] - 1) for r in rows))},
-           {"worst": "<= 0.01"}),
-    Script("pp_bubble", "Pipeline bubble vs theory (equal-cost sleeping stages)",
-           "--p 4 --m 8 --forward-ms 60 --steps 5", "--p 2 --m 4 --forward-ms 20 --steps 3",
-           _bubble_ratios,
-           note="Bubble = 1 - compute / step wall time (mean over ranks per step; the ratio is the median over "
-                "steps with its bootstrap interval); theory: gpipe and 1f1b (p-1)/(m+p-1), interleaved "
-                "(p-1)/(v m+p-1), zb (p-1)/(3m+p-1). Every stage boundary costs a gloo transfer the formulas "
-                "count as zero."),
-    Script("pp_vs_torch", "Pipeline schedules vs torch.distributed.pipelining",
-           "--rounds 8 --steps 1", "--quick --pairs 1f1b interleaved",
-           lambda rows: {f"{r['name']} p{r['p']} time": ratio(r["blocks"], "threefold", "torch") for r in rows},
-           {"gpipe": "<= 0.9", "1f1b": "<= 0.9", "interleaved": "<= 0.9"}),
-    Script("moe_dispatch", "Expert parallelism: all-to-all dispatch and MoE tokens/s (ep 1, 2, 4; 4 ranks)",
-           "--rounds 8 --steps 3", "--quick", _moe_ratios,
-           note="On one CPU box ep trades each rank's share of expert matmuls for all-to-all traffic; the "
-                "ratios show what that exchange costs over gloo, not a speed-up to expect from CPUs."),
-    Script("spans_overhead", "Span recording overhead: log.spans on vs off (tp2 x pp2, 4 ranks)",
-           "--rounds 4 --steps 20 --warmup 4", "--quick",
-           lambda r: {"spans on / off step time": ratio(r["blocks"], "on", "off")}, {"spans on": "<= 1.02"}),
-    Script("overlap_free", "Backward mechanics on vs off: TP dW overlap, freeing sent pipeline outputs",
-           "--rounds 4 --steps 12 --warmup 3", "--quick", _overlap_free_ratios,
-           {"tp2 on": "<= 1.0", "pp2 gpipe stage 0": "< 1.0", "pp2 1f1b stage 0": "< 1.0"},
-           note="On 2 shared cores gloo's communication thread competes with the matmuls it should hide behind, "
-                "so the CPU shows what the overlap costs or saves here, not what NVLink would."),
-    Script("checkpoint_bench", "Checkpoints: save/load throughput, async vs sync blocking, MTTR (CPU)",
-           "--presets tiny,small --steps 8 --interval 2", "--quick",
-           _checkpoint_ratios,
-           {"tiny async": "<= 0.1", "small async": "<= 0.1"}),
-    Script("ring_latency", "Collective call cost and ring-step latency with ranks sharing cores (gloo, 4 ranks)",
-           "", "--quick", _ring_ratio,
-           note="The cpu planner profile's intra_latency_us and collective_overhead_us priors come from this "
-                "measurement (docs/planner.md)."),
-    Script("planner_calibration", "Planner: calibrated on two runs, predicted vs measured step time (1-8 processes)",
-           "--out runs/planner_calibration --steps 8", "--quick --out runs/planner_calibration_quick",
-           lambda rows: {"worst held-out |predicted / measured - 1|": _planner_worst(rows)},
-           {"worst held-out": "<= 0.25"}),
-    Script("threed_vs_torch", "Full 3D vs PyTorch's composable stack (FSDP2 + DTensor TP + pipelining)",
-           "--rounds 9 --steps 1", "--quick", _threed_ratios,
-           {"tokens/s": ">= 1.0", "max loss": "<= 1e-05", "memory": "<= 1.05"}),
+    Script(
+        "overhead",
+        "Framework overhead: threefold vs a plain PyTorch loop (single process)",
+        "--rounds 6 --steps 20",
+        "--quick",
+        lambda r: {"threefold / plain loop time": ratio(r["blocks"], "threefold", "plain")},
+        {"threefold / plain": "<= 1.05"},
+    ),
+    Script(
+        "dp_vs_ddp",
+        "Data parallelism and ZeRO vs DDP, ZeroRedundancyOptimizer, FSDP2 (2 ranks)",
+        "--rounds 12 --steps 2",
+        "--quick",
+        _dp_ratios,
+        {"zero 0 / DDP": "<= 1.0", "zero 3 / FSDP2 time": "<= 0.8", "zero 3 / FSDP2 memory": "<= 1.0"},
+    ),
+    Script(
+        "tp_vs_dtensor",
+        "Tensor parallelism vs PyTorch DTensor",
+        "--rounds 6 --steps 2 --warmup 2",
+        "--tp 2 --sp off --rounds 3 --steps 1 --warmup 2",
+        lambda rows: {f"tp{r['tp']} sp {r['sp']} time": ratio(r["blocks"], "threefold", "dtensor") for r in rows},
+        {"tp": "<= 0.8"},
+    ),
+    Script(
+        "tp_memory",
+        "Activation memory per rank vs the formulas (Korthikanti et al. 2022, adjusted)",
+        "",
+        "--tp 2 --attention flash --seq 128",
+        lambda rows: {"worst distance of measured / predicted from 1": exact(max(abs(r["ratio"] - 1) for r in rows))},
+        {"worst": "<= 0.01"},
+    ),
+    Script(
+        "pp_bubble",
+        "Pipeline bubble vs theory (equal-cost sleeping stages)",
+        "--p 4 --m 8 --forward-ms 60 --steps 5",
+        "--p 2 --m 4 --forward-ms 20 --steps 3",
+        _bubble_ratios,
+        note="Bubble = 1 - compute / step wall time (mean over ranks per step; the ratio is the median over "
+        "steps with its bootstrap interval); theory: gpipe and 1f1b (p-1)/(m+p-1), interleaved "
+        "(p-1)/(v m+p-1), zb (p-1)/(3m+p-1). Every stage boundary costs a gloo transfer the formulas "
+        "count as zero.",
+    ),
+    Script(
+        "pp_vs_torch",
+        "Pipeline schedules vs torch.distributed.pipelining",
+        "--rounds 8 --steps 1",
+        "--quick --pairs 1f1b interleaved",
+        lambda rows: {f"{r['name']} p{r['p']} time": ratio(r["blocks"], "threefold", "torch") for r in rows},
+        {"gpipe": "<= 0.9", "1f1b": "<= 0.9", "interleaved": "<= 0.9"},
+    ),
+    Script(
+        "moe_dispatch",
+        "Expert parallelism: all-to-all dispatch and MoE tokens/s (ep 1, 2, 4; 4 ranks)",
+        "--rounds 8 --steps 3",
+        "--quick",
+        _moe_ratios,
+        note="On one CPU box ep trades each rank's share of expert matmuls for all-to-all traffic; the "
+        "ratios show what that exchange costs over gloo, not a speed-up to expect from CPUs.",
+    ),
+    Script(
+        "spans_overhead",
+        "Span recording overhead: log.spans on vs off (tp2 x pp2, 4 ranks)",
+        "--rounds 4 --steps 20 --warmup 4",
+        "--quick",
+        lambda r: {"spans on / off step time": ratio(r["blocks"], "on", "off")},
+        {"spans on": "<= 1.02"},
+    ),
+    Script(
+        "overlap_free",
+        "Backward mechanics on vs off: TP dW overlap, freeing sent pipeline outputs",
+        "--rounds 4 --steps 12 --warmup 3",
+        "--quick",
+        _overlap_free_ratios,
+        {"tp2 on": "<= 1.0", "pp2 gpipe stage 0": "< 1.0", "pp2 1f1b stage 0": "< 1.0"},
+        note="On 2 shared cores gloo's communication thread competes with the matmuls it should hide behind, "
+        "so the CPU shows what the overlap costs or saves here, not what NVLink would.",
+    ),
+    Script(
+        "checkpoint_bench",
+        "Checkpoints: save/load throughput, async vs sync blocking, MTTR (CPU)",
+        "--presets tiny,small --steps 8 --interval 2",
+        "--quick",
+        _checkpoint_ratios,
+        {"tiny async": "<= 0.1", "small async": "<= 0.1"},
+    ),
+    Script(
+        "ring_latency",
+        "Collective call cost and ring-step latency with ranks sharing cores (gloo, 4 ranks)",
+        "",
+        "--quick",
+        _ring_ratio,
+        note="The cpu planner profile's intra_latency_us and collective_overhead_us priors come from this "
+        "measurement (docs/planner.md).",
+    ),
+    Script(
+        "planner_calibration",
+        "Planner: calibrated on two runs, predicted vs measured step time (1-8 processes)",
+        "--out runs/planner_calibration --steps 8",
+        "--quick --out runs/planner_calibration_quick",
+        lambda rows: {"worst held-out |predicted / measured - 1|": _planner_worst(rows)},
+        {"worst held-out": "<= 0.25"},
+    ),
+    Script(
+        "threed_vs_torch",
+        "Full 3D vs PyTorch's composable stack (FSDP2 + DTensor TP + pipelining)",
+        "--rounds 9 --steps 1",
+        "--quick",
+        _threed_ratios,
+        {"tokens/s": ">= 1.0", "max loss": "<= 1e-05", "memory": "<= 1.05"},
+    ),
 ]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="few steps per section (about 4 minutes on 2 cores); indicative")
+    ap.add_argument(
+        "--quick", action="store_true", help="few steps per section (about 4 minutes on 2 cores); indicative"
+    )
     ap.add_argument("--only", nargs="+", metavar="SECTION", help="run only these sections (see --list)")
     ap.add_argument("--out", help="markdown file to write (default: docs/benchmarks.md for a full run)")
     ap.add_argument("--json", help="also write the ratios and the machine description here")
@@ -176,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sections = [s for s in SECTIONS if not args.only or s.name in args.only]
     out = args.out or (None if args.quick or args.only else str(ROOT / "docs" / "benchmarks.md"))
-    return run_suite(sections, args.quick, out, args.json, "python bench/run.py" + "".join(
-        f" {shlex.quote(a)}" for a in argv))
+    return run_suite(
+        sections, args.quick, out, args.json, "python bench/run.py" + "".join(f" {shlex.quote(a)}" for a in argv)
+    )
 
 
 def run_suite(sections: list, quick: bool, out: str | None, json_path: str | None, command: str) -> int:

@@ -11,6 +11,7 @@ times, with its 95% bootstrap interval (bench/stats.py). Overhead = that ratio -
 
 Default layout: tiny preset, tp2 x pp2 (4 processes), 1F1B over 4 micro-batches.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,13 +22,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stats import show  # noqa: E402
 from timing import cell, on_off_rounds, ratio, steps_of  # noqa: E402
 
-DEFAULT = ["--model.preset", "tiny", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.microbatches", "4",
-           "--train.global_batch", "8", "--train.warmup_steps", "2"]
+DEFAULT = [
+    "--model.preset",
+    "tiny",
+    "--parallel.tp",
+    "2",
+    "--parallel.pp",
+    "2",
+    "--parallel.microbatches",
+    "4",
+    "--train.global_batch",
+    "8",
+    "--train.warmup_steps",
+    "2",
+]
 
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    ours, _, extra = (argv[:argv.index("--")], None, argv[argv.index("--") + 1:]) if "--" in argv else (argv, None, [])
+    ours, _, extra = (
+        (argv[: argv.index("--")], None, argv[argv.index("--") + 1 :]) if "--" in argv else (argv, None, [])
+    )
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=4, help="rounds: one run with spans off, one with spans on")
     ap.add_argument("--steps", type=int, default=20, help="training steps per run")
@@ -40,13 +55,16 @@ def main(argv=None) -> dict:
     blocks = on_off_rounds(extra, "log.spans", args.rounds, args.steps, args.warmup)
     on_off = ratio(blocks, "on", "off")
     result = {"blocks": blocks, "rounds": args.rounds, "steps": args.steps, "config": " ".join(extra)}
-    print(f"{args.rounds} rounds (off/on, order alternating) x {args.steps} steps, the first {args.warmup} "
-          "intervals of each run dropped; median [IQR] ms/step; on / off: median per-round ratio [95% bootstrap "
-          "interval]\n")
+    print(
+        f"{args.rounds} rounds (off/on, order alternating) x {args.steps} steps, the first {args.warmup} "
+        "intervals of each run dropped; median [IQR] ms/step; on / off: median per-round ratio [95% bootstrap "
+        "interval]\n"
+    )
     print("| run | spans off (ms/step) | spans on (ms/step) | on / off |")
     print("|---|---|---|---|")
-    print(f"| `{result['config']}` | {cell(steps_of(blocks['off']))} | {cell(steps_of(blocks['on']))} | "
-          f"{show(on_off)} |")
+    print(
+        f"| `{result['config']}` | {cell(steps_of(blocks['off']))} | {cell(steps_of(blocks['on']))} | {show(on_off)} |"
+    )
     return result
 
 

@@ -6,11 +6,12 @@ per-round ratios, with a 95% percentile-bootstrap interval of that median. Quant
 not vary between runs (memory, byte counts, loss differences) are `exact`. Resampling uses a
 fixed seed, so the same numbers always give the same interval.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -33,8 +34,13 @@ class Interval:
     """How it was computed, e.g. "per-round ratio, 6 rounds" or "exact"."""
 
 
-def bootstrap(samples: Sequence[Sequence[float]], statistic: Callable[..., np.ndarray], how: str, seed: int = 0,
-              resamples: int = 4000) -> Interval:
+def bootstrap(
+    samples: Sequence[Sequence[float]],
+    statistic: Callable[..., np.ndarray],
+    how: str,
+    seed: int = 0,
+    resamples: int = 4000,
+) -> Interval:
     """statistic(*arrays) on the samples as measured (the value) and on `resamples` resamplings,
     each sample list drawn with replacement independently of the others. The statistic gets one
     [draws, n_i] array per sample list and returns one number per draw (reduce over axis -1)."""
@@ -57,14 +63,14 @@ def _median(x: np.ndarray) -> np.ndarray:
     return np.median(x, axis=-1)
 
 
-def bootstrap_median(values: Sequence[float], seed: int = 0, resamples: int = 4000,
-                     unit: str = "sample") -> Interval:
+def bootstrap_median(values: Sequence[float], seed: int = 0, resamples: int = 4000, unit: str = "sample") -> Interval:
     """Median of `values` with the percentile-bootstrap interval of the median."""
     return bootstrap([values], _median, f"median of {len(values)} {unit}s", seed, resamples)
 
 
-def paired_ratio(a: Sequence[float], b: Sequence[float], seed: int = 0, resamples: int = 4000,
-                 unit: str = "round") -> Interval:
+def paired_ratio(
+    a: Sequence[float], b: Sequence[float], seed: int = 0, resamples: int = 4000, unit: str = "round"
+) -> Interval:
     """Median of the per-round ratios a[i] / b[i], with the bootstrap interval of that median."""
     if len(a) != len(b):
         raise ValueError(f"paired_ratio needs one b per a (got {len(a)} and {len(b)})")
@@ -88,6 +94,6 @@ def fmt(x: float) -> str:
 
 
 def show(value: Interval | float) -> str:
-    """"0.912 [0.880, 0.951]" for a measured interval, "0.912" for an exact value."""
+    """ "0.912 [0.880, 0.951]" for a measured interval, "0.912" for an exact value."""
     i = as_interval(value)
     return fmt(i.value) if i.how == "exact" else f"{fmt(i.value)} [{fmt(i.lo)}, {fmt(i.hi)}]"

@@ -35,22 +35,23 @@ for every group) and its per-rank model-state memory next to ZeRO's formula.
 
     python bench/threed_vs_torch.py [--dp 2 --tp 2 --pp 2] [--rounds 9] [--steps 1] [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
 import gc
 import os
 import sys
-from functools import partial
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from composable3d import SCHEDULES, torch_contestant  # noqa: E402
-from harness import run_ranks  # noqa: E402
 from stats import show  # noqa: E402
 from timing import alternate, cell, feeder, ratio, steps_of, summary  # noqa: E402
+
+from harness import run_ranks  # noqa: E402
 
 
 def make_cfg(dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dict):
@@ -58,9 +59,16 @@ def make_cfg(dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dict):
     from threefold.validate import validate
 
     pairs = [(k, str(v)) for k, v in shape.items()]
-    pairs += [("parallel.dp", str(dp)), ("parallel.tp", str(tp)), ("parallel.pp", str(pp)),
-              ("parallel.schedule", schedule), ("parallel.zero", str(zero)), ("parallel.sp", "false"),
-              ("train.warmup_steps", "0"), ("train.min_lr_ratio", "1.0")]  # constant lr, as the torch side
+    pairs += [
+        ("parallel.dp", str(dp)),
+        ("parallel.tp", str(tp)),
+        ("parallel.pp", str(pp)),
+        ("parallel.schedule", schedule),
+        ("parallel.zero", str(zero)),
+        ("parallel.sp", "false"),
+        ("train.warmup_steps", "0"),
+        ("train.min_lr_ratio", "1.0"),
+    ]  # constant lr, as the torch side
     return validate(build_config(None, pairs), dp * tp * pp)
 
 
@@ -79,8 +87,12 @@ def threefold_contestant(cfg, grid):
         loss = run(micro) * n_tokens
         if "measured" not in memory:
             report = probe.report
-            memory.update(measured=report.measured_total, predicted=report.predicted_total,
-                          formula=report.formula, numel=report.numel)
+            memory.update(
+                measured=report.measured_total,
+                predicted=report.predicted_total,
+                formula=report.formula,
+                numel=report.numel,
+            )
         return loss
 
     return step, memory
@@ -110,8 +122,9 @@ def analytic_bytes(cfg, layers: int, first: bool, last: bool, numel: int, block_
     return {"tp": tp, "dp": 4 * dp}
 
 
-def bench_worker(dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dict, rounds: int, steps: int,
-                 warmup: int) -> dict:
+def bench_worker(
+    dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dict, rounds: int, steps: int, warmup: int
+) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -127,8 +140,11 @@ def bench_worker(dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dic
     # threefold's default order tp-cp-ep-dp-pp puts rank = tp + tp*dp_index + tp*dp*pp_index:
     # the row-major (pp, dp, tp) mesh gives every rank the same coordinates on both sides.
     mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    assert (mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) == \
-        (grid.pp_rank, grid.dp_rank, grid.tp_rank)
+    assert (mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) == (
+        grid.pp_rank,
+        grid.dp_rank,
+        grid.tp_rank,
+    )
     t, m = cfg.train, cfg.model
     tokens = load_tokens(cfg.data.path, cfg.data.vocab, cfg.data.dtype, cfg.data.cache_dir).tokens
     sampler = GlobalBatchSampler(len(tokens), m.seq_len, t.global_batch, t.seed)
@@ -149,11 +165,18 @@ def bench_worker(dp: int, tp: int, pp: int, schedule: str, zero: int, shape: dic
     contestants = {name: feeder(step, data[2:], n_tokens) for name, step in steps_of_contestant.items()}
     blocks = alternate(contestants, rounds, steps, dist.barrier, warmup)
     layers = stage_layer_ids(m, pp, 1, cfg.parallel.stage_layers)[grid.pp_rank]
-    analytic = analytic_bytes(cfg, len(layers), grid.is_first_stage, grid.is_last_stage, tf_memory["numel"],
-                              tf_memory["block_numel"])
-    out = {"rank": grid.global_rank, "coords": (grid.dp_rank, grid.tp_rank, grid.pp_rank), "blocks": blocks,
-           "losses": first_loss, "comm": comm, "analytic": analytic, "memory": {"threefold": tf_memory,
-                                                                                "torch": torch_memory}}
+    analytic = analytic_bytes(
+        cfg, len(layers), grid.is_first_stage, grid.is_last_stage, tf_memory["numel"], tf_memory["block_numel"]
+    )
+    out = {
+        "rank": grid.global_rank,
+        "coords": (grid.dp_rank, grid.tp_rank, grid.pp_rank),
+        "blocks": blocks,
+        "losses": first_loss,
+        "comm": comm,
+        "analytic": analytic,
+        "memory": {"threefold": tf_memory, "torch": torch_memory},
+    }
     del contestants, steps_of_contestant
     gc.collect()
     shutdown_distributed()
@@ -169,87 +192,136 @@ def global_losses(per_rank: list[dict], n_tokens: int) -> dict[str, list[float]]
     return out
 
 
-def run(dp: int = 2, tp: int = 2, pp: int = 2, schedule: str = "1f1b", zero: int = 3, rounds: int = 9,
-        steps: int = 1, warmup: int = 1, shape: dict | None = None) -> dict:
+def run(
+    dp: int = 2,
+    tp: int = 2,
+    pp: int = 2,
+    schedule: str = "1f1b",
+    zero: int = 3,
+    rounds: int = 9,
+    steps: int = 1,
+    warmup: int = 1,
+    shape: dict | None = None,
+) -> dict:
     shape = shape or {"model.preset": "tiny", "model.seq_len": 64, "train.global_batch": 16, "train.micro_batch": 2}
-    per_rank = run_ranks(bench_worker, dp * tp * pp, dp, tp, pp, schedule, zero, shape, rounds, steps, warmup,
-                         timeout=1800)
+    per_rank = run_ranks(
+        bench_worker, dp * tp * pp, dp, tp, pp, schedule, zero, shape, rounds, steps, warmup, timeout=1800
+    )
     cfg = make_cfg(dp, tp, pp, schedule, zero, shape)
     n_tokens = cfg.train.global_batch * cfg.model.seq_len
     blocks = per_rank[0]["blocks"]
     a, b = summary(steps_of(blocks["threefold"])), summary(steps_of(blocks["torch"]))
     losses = global_losses(per_rank, n_tokens)
-    return {"dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "zero": zero, "m": cfg.parallel.microbatches,
-            "micro_batch": cfg.train.micro_batch, "global_batch": cfg.train.global_batch, "seq": cfg.model.seq_len,
-            "layers": cfg.model.layers, "hidden": cfg.model.hidden, "grad_clip": cfg.train.grad_clip,
-            "rounds": rounds, "steps": steps, "warmup": warmup, "blocks": blocks, "bucket_mb": cfg.parallel.bucket_mb,
-            "threefold": a, "torch": b, "tokens_per_s": (n_tokens / a[0], n_tokens / b[0]),
-            "ratio": ratio(blocks, "torch", "threefold"), "losses": losses,
-            "loss_diff": max(abs(x - y) for x, y in zip(losses["threefold"], losses["torch"])),
-            "ranks": per_rank}
+    return {
+        "dp": dp,
+        "tp": tp,
+        "pp": pp,
+        "schedule": schedule,
+        "zero": zero,
+        "m": cfg.parallel.microbatches,
+        "micro_batch": cfg.train.micro_batch,
+        "global_batch": cfg.train.global_batch,
+        "seq": cfg.model.seq_len,
+        "layers": cfg.model.layers,
+        "hidden": cfg.model.hidden,
+        "grad_clip": cfg.train.grad_clip,
+        "rounds": rounds,
+        "steps": steps,
+        "warmup": warmup,
+        "blocks": blocks,
+        "bucket_mb": cfg.parallel.bucket_mb,
+        "threefold": a,
+        "torch": b,
+        "tokens_per_s": (n_tokens / a[0], n_tokens / b[0]),
+        "ratio": ratio(blocks, "torch", "threefold"),
+        "losses": losses,
+        "loss_diff": max(abs(x - y) for x, y in zip(losses["threefold"], losses["torch"])),
+        "ranks": per_rank,
+    }
 
 
 def markdown(r: dict) -> str:
-    lines = [f"dp{r['dp']} x tp{r['tp']} x pp{r['pp']} ({r['dp'] * r['tp'] * r['pp']} processes), {r['schedule']}, "
-             f"tiny llama ({r['layers']} layers, hidden {r['hidden']}), seq {r['seq']}, global batch "
-             f"{r['global_batch']} = dp {r['dp']} x {r['m']} micro-batches of {r['micro_batch']}; threefold ZeRO "
-             f"{r['zero']} vs FSDP2; {r['rounds']} rounds x {r['steps']} steps interleaved, median [IQR] ms "
-             "on rank 0; ratio: median per-round ratio [95% bootstrap interval]", "",
-             "| contestant | step ms | tokens/s | loss step 1 | loss step 2 |", "|---|---|---|---|---|"]
+    lines = [
+        f"dp{r['dp']} x tp{r['tp']} x pp{r['pp']} ({r['dp'] * r['tp'] * r['pp']} processes), {r['schedule']}, "
+        f"tiny llama ({r['layers']} layers, hidden {r['hidden']}), seq {r['seq']}, global batch "
+        f"{r['global_batch']} = dp {r['dp']} x {r['m']} micro-batches of {r['micro_batch']}; threefold ZeRO "
+        f"{r['zero']} vs FSDP2; {r['rounds']} rounds x {r['steps']} steps interleaved, median [IQR] ms "
+        "on rank 0; ratio: median per-round ratio [95% bootstrap interval]",
+        "",
+        "| contestant | step ms | tokens/s | loss step 1 | loss step 2 |",
+        "|---|---|---|---|---|",
+    ]
     for k, label in (("threefold", "threefold"), ("torch", "FSDP2 + DTensor TP + pipelining")):
         i = 0 if k == "threefold" else 1
         la = r["losses"][k]
-        lines.append(f"| {label} | {cell(steps_of(r['blocks'][k]))} | {r['tokens_per_s'][i]:,.0f} | {la[0]:.6f} | "
-                     f"{la[1]:.6f} |")
-    lines += ["", f"tokens/s ratio threefold / torch: **{show(r['ratio'])}**; largest loss difference "
-              f"{r['loss_diff']:.1e}. With {r['dp'] * r['tp'] * r['pp']} processes on a few CPU cores and a tiny "
-              "model, the ratio weighs each stack's Python and per-operator dispatch overhead (DTensor's above all) "
-              "more than its parallel algorithms.", "",
-              "Configured identically: the same weights (threefold's layout-invariant initialization of the plain "
-              "chunks), the same batches (threefold's sampler), constant lr, AdamW betas, eps 1e-8 and weight "
-              f"decay on matrices only, both clipping at global gradient norm {r['grad_clip']}, fp32, dropout 0, "
-              "no sequence parallelism, untied embeddings. What differs is each stack's own machinery: FSDP2 runs "
-              "with reshard_after_forward=False (torchtitan's setting under pipelining: one gather per step) "
-              "while threefold's ZeRO 3 gathers each block per micro-batch.", "",
-              "Contestants:", "",
-              f"- threefold: its Trainer's train_step: build_stage over build_model, PipelineExecutor "
-              f"({r['schedule']}), finalize_grads (DataParallel ZeRO {r['zero']}, bucket {r['bucket_mb']:g} MiB; TP "
-              "partial sums; the norm over dp, tp and pp), the ranks' health all-gather, clip + the engine's AdamW "
-              "(torch's foreach arithmetic on flat shards), the loss and metrics reductions.",
-              f"- torch: DTensor TP (parallelize_module) inside FSDP2 fully_shard per block and per chunk "
-              f"(reshard_after_forward=False) on a (pp {r['pp']}, dp {r['dp']}, tp {r['tp']}) DeviceMesh with dp x tp "
-              "flattened (one all-reduce for 2-D norms), "
-              f"pipelining.PipelineStage + {SCHEDULES[r['schedule']]}(scale_grads=False), loss_parallel; "
-              f"{r['ranks'][0]['memory']['torch']['optimizer']}.",
-              f"- Both: the same weights and batches, constant lr, clipping at {r['grad_clip']}, fp32; two checked "
-              f"steps then {r['warmup']} untimed warm-up step(s) each, then {r['rounds']} rounds x {r['steps']} "
-              "step(s) alternating threefold, torch; per-round value = median of the round's step times on rank 0.",
-              "",
-              "Per-rank communication of one threefold step vs the analytic count, and model-state memory "
-              "(parameters + gradients + optimizer state after the step) vs ZeRO's formula and FSDP2:", "",
-              "| rank (dp, tp, pp) | TP bytes | TP analytic | ratio | DP bytes | DP analytic | ratio | "
-              "memory B | formula B | FSDP2 B |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {label} | {cell(steps_of(r['blocks'][k]))} | {r['tokens_per_s'][i]:,.0f} | {la[0]:.6f} | {la[1]:.6f} |"
+        )
+    lines += [
+        "",
+        f"tokens/s ratio threefold / torch: **{show(r['ratio'])}**; largest loss difference "
+        f"{r['loss_diff']:.1e}. With {r['dp'] * r['tp'] * r['pp']} processes on a few CPU cores and a tiny "
+        "model, the ratio weighs each stack's Python and per-operator dispatch overhead (DTensor's above all) "
+        "more than its parallel algorithms.",
+        "",
+        "Configured identically: the same weights (threefold's layout-invariant initialization of the plain "
+        "chunks), the same batches (threefold's sampler), constant lr, AdamW betas, eps 1e-8 and weight "
+        f"decay on matrices only, both clipping at global gradient norm {r['grad_clip']}, fp32, dropout 0, "
+        "no sequence parallelism, untied embeddings. What differs is each stack's own machinery: FSDP2 runs "
+        "with reshard_after_forward=False (torchtitan's setting under pipelining: one gather per step) "
+        "while threefold's ZeRO 3 gathers each block per micro-batch.",
+        "",
+        "Contestants:",
+        "",
+        f"- threefold: its Trainer's train_step: build_stage over build_model, PipelineExecutor "
+        f"({r['schedule']}), finalize_grads (DataParallel ZeRO {r['zero']}, bucket {r['bucket_mb']:g} MiB; TP "
+        "partial sums; the norm over dp, tp and pp), the ranks' health all-gather, clip + the engine's AdamW "
+        "(torch's foreach arithmetic on flat shards), the loss and metrics reductions.",
+        f"- torch: DTensor TP (parallelize_module) inside FSDP2 fully_shard per block and per chunk "
+        f"(reshard_after_forward=False) on a (pp {r['pp']}, dp {r['dp']}, tp {r['tp']}) DeviceMesh with dp x tp "
+        "flattened (one all-reduce for 2-D norms), "
+        f"pipelining.PipelineStage + {SCHEDULES[r['schedule']]}(scale_grads=False), loss_parallel; "
+        f"{r['ranks'][0]['memory']['torch']['optimizer']}.",
+        f"- Both: the same weights and batches, constant lr, clipping at {r['grad_clip']}, fp32; two checked "
+        f"steps then {r['warmup']} untimed warm-up step(s) each, then {r['rounds']} rounds x {r['steps']} "
+        "step(s) alternating threefold, torch; per-round value = median of the round's step times on rank 0.",
+        "",
+        "Per-rank communication of one threefold step vs the analytic count, and model-state memory "
+        "(parameters + gradients + optimizer state after the step) vs ZeRO's formula and FSDP2:",
+        "",
+        "| rank (dp, tp, pp) | TP bytes | TP analytic | ratio | DP bytes | DP analytic | ratio | "
+        "memory B | formula B | FSDP2 B |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for q in r["ranks"]:
         c, an, mem = q["comm"], q["analytic"], q["memory"]
         dp_an = an["dp"]
         tp_ratio = f"{c['tp'] / an['tp']:.3f}" if an["tp"] else "-"
         dp_ratio = f"{c['dp'] / dp_an:.3f}" if dp_an else "-"
-        lines.append(f"| {q['rank']} {q['coords']} | {c['tp']:,} | {an['tp']:,} | {tp_ratio} | {c['dp']:,} | "
-                     f"{dp_an:,} | {dp_ratio} | {mem['threefold']['measured']:,} | "
-                     f"{mem['threefold']['predicted']:,.0f} | {mem['torch']['measured']:,} |")
-    lines += ["", "TP analytic: 4 all-reduces of seq x micro-batch x hidden fp32 values per layer and micro-batch "
-              "(2 forward, 2 backward), plus the vocab-parallel embedding (first stage) and head input gradient "
-              "(last stage); the last stage's excess is the vocab-parallel cross-entropy's per-token statistics. "
-              f"DP analytic (ZeRO {r['zero']}): " + DP_RULE[min(r["zero"], 3)] + " Memory formula: ZeRO's "
-              f"{r['ranks'][0]['memory']['threefold']['formula']} (P: the rank's parameters, N: dp)."]
+        lines.append(
+            f"| {q['rank']} {q['coords']} | {c['tp']:,} | {an['tp']:,} | {tp_ratio} | {c['dp']:,} | "
+            f"{dp_an:,} | {dp_ratio} | {mem['threefold']['measured']:,} | "
+            f"{mem['threefold']['predicted']:,.0f} | {mem['torch']['measured']:,} |"
+        )
+    lines += [
+        "",
+        "TP analytic: 4 all-reduces of seq x micro-batch x hidden fp32 values per layer and micro-batch "
+        "(2 forward, 2 backward), plus the vocab-parallel embedding (first stage) and head input gradient "
+        "(last stage); the last stage's excess is the vocab-parallel cross-entropy's per-token statistics. "
+        f"DP analytic (ZeRO {r['zero']}): " + DP_RULE[min(r["zero"], 3)] + " Memory formula: ZeRO's "
+        f"{r['ranks'][0]['memory']['threefold']['formula']} (P: the rank's parameters, N: dp).",
+    ]
     return "\n".join(lines)
 
 
-DP_RULE = {0: "one all-reduce of the rank's P gradients.", 1: "reduce-scatter of P gradients + all-gather of P "
-           "parameters.", 2: "reduce-scatter of P gradients + all-gather of P parameters.",
-           3: "reduce-scatter of P gradients, each block all-gathered for every micro-batch's forward and again "
-              "for its backward, the root (embedding, final norm, head) once per micro-batch (fewer when it is "
-              "still gathered from the micro-batch before)."}
+DP_RULE = {
+    0: "one all-reduce of the rank's P gradients.",
+    1: "reduce-scatter of P gradients + all-gather of P parameters.",
+    2: "reduce-scatter of P gradients + all-gather of P parameters.",
+    3: "reduce-scatter of P gradients, each block all-gathered for every micro-batch's forward and again "
+    "for its backward, the root (embedding, final norm, head) once per micro-batch (fewer when it is "
+    "still gathered from the micro-batch before).",
+}
 
 
 def comm_ratios(r: dict) -> dict[str, float]:

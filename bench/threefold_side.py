@@ -1,6 +1,7 @@
 """threefold as a benchmark contestant: its Trainer, so a bench times the very step `threefold
 train` runs (schedule, gradient finalization, the ranks' agreement on the step, AdamW, the
 loss and health reductions), not a copy of it."""
+
 from __future__ import annotations
 
 import tempfile

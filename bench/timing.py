@@ -1,6 +1,7 @@
 """Timing contestants side by side: blocks alternate A, B, A, B ... and a round is one block of
 each, so a slow drift of a shared machine hits both halves of a round alike. Times are kept
 per round (a list of step seconds per block) for the per-round ratios of bench/stats.py."""
+
 from __future__ import annotations
 
 import itertools
@@ -11,16 +12,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from stats import Interval, paired_ratio
 
 Blocks = dict[str, list[list[float]]]  # contestant -> per round, the seconds of each step
 
 
-def alternate(contestants: dict[str, Callable[[], object]], rounds: int, steps: int,
-              barrier: Callable[[], object] = lambda: None, warmup: int = 0) -> Blocks:
+def alternate(
+    contestants: dict[str, Callable[[], object]],
+    rounds: int,
+    steps: int,
+    barrier: Callable[[], object] = lambda: None,
+    warmup: int = 0,
+) -> Blocks:
     """`warmup` untimed steps per contestant, then `rounds` rounds of `steps` steps per
     contestant, in the order given. A step's time is the interval between consecutive step
     ends, the first measured from the end of the barrier (so whatever a step leaves running on
@@ -73,7 +79,7 @@ def steps_of(blocks: list[list[float]]) -> list[float]:
 
 
 def cell(samples: list[float]) -> str:
-    """"123.4 [110-131]": median [IQR] in milliseconds."""
+    """ "123.4 [110-131]": median [IQR] in milliseconds."""
     med, lo, hi = summary(samples)
     return f"{med * 1e3:.1f} [{lo * 1e3:.0f}-{hi * 1e3:.0f}]"
 
@@ -83,8 +89,19 @@ def train_step_times(args: list[str], steps: int, warmup: int) -> list[float]:
     intervals between consecutive metrics lines, after the first `warmup`. Everything a step
     costs counts, the metrics line included."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "threefold", "train", *args, "--train.steps", str(steps), "--log.dir", tmp,
-               "--log.quiet", "true"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "threefold",
+            "train",
+            *args,
+            "--train.steps",
+            str(steps),
+            "--log.dir",
+            tmp,
+            "--log.quiet",
+            "true",
+        ]
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
         stamps = [json.loads(line)["time"] for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     return [b - a for a, b in zip(stamps, stamps[1:])][warmup:]
@@ -95,7 +112,7 @@ def on_off_rounds(args: list[str], key: str, rounds: int, steps: int, warmup: in
     between rounds to cancel machine drift: {"on": [...], "off": [...]} per round."""
     blocks: Blocks = {"off": [], "on": []}
     for r in range(rounds):
-        for on in ((False, True) if r % 2 == 0 else (True, False)):
+        for on in (False, True) if r % 2 == 0 else (True, False):
             value = "true" if on else "false"
             blocks["on" if on else "off"].append(train_step_times([*args, f"--{key}", value], steps, warmup))
     return blocks

@@ -9,6 +9,7 @@ and its own foreach clip, the way torchtitan computes the global norm: per-mesh 
 whole with full_tensor(), squared, summed (and summed over the pipeline group where stages
 hold different layers), square root.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,9 +42,16 @@ class MeshOptimizer:
             for p in group["params"]:
                 groups = self.kinds.setdefault(kind_of(p), {})
                 groups.setdefault(group["weight_decay"], []).append(p)
-        self.optimizers = [torch.optim.AdamW([{"params": ps, "weight_decay": wd} for wd, ps in groups.items()],
-                                             lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=1e-8, foreach=True)
-                           for groups in self.kinds.values()]
+        self.optimizers = [
+            torch.optim.AdamW(
+                [{"params": ps, "weight_decay": wd} for wd, ps in groups.items()],
+                lr=tcfg.lr,
+                betas=(tcfg.beta1, tcfg.beta2),
+                eps=1e-8,
+                foreach=True,
+            )
+            for groups in self.kinds.values()
+        ]
         self.params = [[p for ps in groups.values() for p in ps] for groups in self.kinds.values()]
         self.norm_groups = norm_groups  # process groups holding other parameters (e.g. pipeline stages)
 
@@ -75,12 +83,19 @@ class MeshOptimizer:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Optimizer state (moments) of every kind, local shards for DTensors."""
-        return [v.to_local() if isinstance(v, DTensor) else v for opt in self.optimizers
-                for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        return [
+            v.to_local() if isinstance(v, DTensor) else v
+            for opt in self.optimizers
+            for s in opt.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        ]
 
     def describe(self) -> str:
         kinds = "; ".join(f"{kind_name(k)}: {len(ps)} parameters" for k, ps in zip(self.kinds, self.params))
-        return (f"{len(self.optimizers)} x AdamW(foreach=True), one per parameter kind ({kinds}); "
-                "get_total_norm(foreach=True) per kind, full_tensor(), combined as sqrt(sum of squares)"
-                + (" and summed over the pipeline group" if self.norm_groups else "")
-                + "; clip_grads_with_norm_(foreach=True) per kind")
+        return (
+            f"{len(self.optimizers)} x AdamW(foreach=True), one per parameter kind ({kinds}); "
+            "get_total_norm(foreach=True) per kind, full_tensor(), combined as sqrt(sum of squares)"
+            + (" and summed over the pipeline group" if self.norm_groups else "")
+            + "; clip_grads_with_norm_(foreach=True) per kind"
+        )

@@ -8,6 +8,7 @@ is the paper's GPT-layer formula as published (16-bit, dropout), for scale.
 
     python bench/tp_memory.py [--seq 512] [--batch 2] [--hidden 256] [--tp 1 2 4] [--attention flash math]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,15 @@ MODES = ("none", "selective", "full")
 
 
 def shape_overrides(args) -> dict:
-    return {"model.hidden": args.hidden, "model.heads": args.heads, "model.kv_heads": args.kv_heads,
-            "model.ffn_hidden": args.ffn, "model.seq_len": args.seq, "model.layers": args.layers,
-            "model.vocab": args.vocab}
+    return {
+        "model.hidden": args.hidden,
+        "model.heads": args.heads,
+        "model.kv_heads": args.kv_heads,
+        "model.ffn_hidden": args.ffn,
+        "model.seq_len": args.seq,
+        "model.layers": args.layers,
+        "model.vocab": args.vocab,
+    }
 
 
 def measure_worker(world: int, shape: dict, batch: int, attentions: list[str]) -> list[dict]:
@@ -45,7 +52,7 @@ def measure_worker(world: int, shape: dict, batch: int, attentions: list[str]) -
     init_distributed(torch.device("cpu"), timeout_s=300)
     grid = Grid.build(RankLayout(tp=world))
     rows = []
-    for sp in ((False, True) if world > 1 else (False,)):
+    for sp in (False, True) if world > 1 else (False,):
         for mode in MODES:
             pairs = [(k, str(v)) for k, v in shape.items()]
             pairs += [("parallel.tp", str(world)), ("parallel.sp", str(sp)), ("train.recompute", mode)]
@@ -62,8 +69,16 @@ def measure_worker(world: int, shape: dict, batch: int, attentions: list[str]) -
                         loss = model(tokens, tokens)
                     loss.backward()  # inside the kernel choice: selective recompute reruns the core
                 model.zero_grad(set_to_none=True)
-                rows.append({"tp": world, "sp": sp, "recompute": mode, "attention": attention,
-                             "per_layer": meter.per_layer(), "other": meter.by_scope.get("other", 0)})
+                rows.append(
+                    {
+                        "tp": world,
+                        "sp": sp,
+                        "recompute": mode,
+                        "attention": attention,
+                        "per_layer": meter.per_layer(),
+                        "other": meter.by_scope.get("other", 0),
+                    }
+                )
     shutdown_distributed()
     return rows
 
@@ -72,8 +87,18 @@ def predicted(shape: dict, batch: int, row: dict) -> tuple[float, float]:
     from threefold.observe.activations import korthikanti_layer_bytes, layer_activation_elements
 
     s, h, a = shape["model.seq_len"], shape["model.hidden"], shape["model.heads"]
-    ours = 4 * layer_activation_elements(s, batch, h, a, shape["model.kv_heads"], shape["model.ffn_hidden"],
-                                         row["tp"], row["sp"], row["recompute"], row["attention"])
+    ours = 4 * layer_activation_elements(
+        s,
+        batch,
+        h,
+        a,
+        shape["model.kv_heads"],
+        shape["model.ffn_hidden"],
+        row["tp"],
+        row["sp"],
+        row["recompute"],
+        row["attention"],
+    )
     paper = korthikanti_layer_bytes(s, batch, h, a, row["tp"], row["sp"], row["recompute"])
     return ours, paper
 
@@ -96,17 +121,23 @@ def main(argv=None) -> list[dict]:
     for t in args.tp:
         rows += run_ranks(measure_worker, t, t, shape, args.batch, args.attention, timeout=900)[0]
     mib = 1 / 2**20
-    print(f"Activation memory per layer per rank (fp32), s={args.seq} b={args.batch} h={args.hidden} "
-          f"a={args.heads} kv={args.kv_heads} f={args.ffn}, {args.layers} layers\n")
-    print("| attention | tp | sp | recompute | measured MiB | predicted MiB | measured/predicted "
-          "| Korthikanti (16-bit GPT) MiB | rest of model MiB |")
+    print(
+        f"Activation memory per layer per rank (fp32), s={args.seq} b={args.batch} h={args.hidden} "
+        f"a={args.heads} kv={args.kv_heads} f={args.ffn}, {args.layers} layers\n"
+    )
+    print(
+        "| attention | tp | sp | recompute | measured MiB | predicted MiB | measured/predicted "
+        "| Korthikanti (16-bit GPT) MiB | rest of model MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for row in sorted(rows, key=lambda r: (r["attention"], r["tp"], r["sp"], MODES.index(r["recompute"]))):
         ours, paper = predicted(shape, args.batch, row)
         row.update(predicted=ours, korthikanti=paper, ratio=row["per_layer"] / ours)
-        print(f"| {row['attention']} | {row['tp']} | {'on' if row['sp'] else 'off'} | {row['recompute']} "
-              f"| {row['per_layer'] * mib:.2f} | {ours * mib:.2f} | {row['ratio']:.3f} | {paper * mib:.2f} "
-              f"| {row['other'] * mib:.2f} |")
+        print(
+            f"| {row['attention']} | {row['tp']} | {'on' if row['sp'] else 'off'} | {row['recompute']} "
+            f"| {row['per_layer'] * mib:.2f} | {ours * mib:.2f} | {row['ratio']:.3f} | {paper * mib:.2f} "
+            f"| {row['other'] * mib:.2f} |"
+        )
     return rows
 
 

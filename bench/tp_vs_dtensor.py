@@ -13,6 +13,7 @@ ratio of round medians, with its 95% bootstrap interval (bench/stats.py).
 
     python bench/tp_vs_dtensor.py [--tp 2 4] [--sp on off] [--rounds 6] [--steps 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,10 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from harness import run_ranks  # noqa: E402
 from stats import show  # noqa: E402
 from timing import alternate, cell, ratio, steps_of  # noqa: E402
+
+from harness import run_ranks  # noqa: E402
 
 
 def make_cfg(tp: int, sp: bool, shape: dict, batch: int):
@@ -34,8 +36,15 @@ def make_cfg(tp: int, sp: bool, shape: dict, batch: int):
     from threefold.config import build_config
     from threefold.validate import validate
 
-    pairs = {**shape, "parallel.tp": tp, "parallel.sp": sp, "train.global_batch": batch, "train.micro_batch": batch,
-             "train.warmup_steps": 0, "train.min_lr_ratio": 1.0}
+    pairs = {
+        **shape,
+        "parallel.tp": tp,
+        "parallel.sp": sp,
+        "train.global_batch": batch,
+        "train.micro_batch": batch,
+        "train.warmup_steps": 0,
+        "train.min_lr_ratio": 1.0,
+    }
     return validate(build_config(None, [(k, str(v)) for k, v in pairs.items()]), tp)
 
 
@@ -55,8 +64,14 @@ def dtensor_contestant(cfg, sp: bool):
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, loss_parallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        loss_parallel,
+        parallelize_module,
+    )
     from torch_peers import MeshOptimizer
 
     from threefold.model.meta import plain_model
@@ -65,26 +80,36 @@ def dtensor_contestant(cfg, sp: bool):
     model = plain_model(cfg.model, cfg.train.seed, "cpu")
     seq = Shard(0)  # our activations are [seq, batch, hidden]
     region = seq if sp else Replicate()
-    plan = {"tok_embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=region),
-            "head": ColwiseParallel(input_layouts=region, output_layouts=Shard(-1), use_local_output=False)}
+    plan = {
+        "tok_embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=region),
+        "head": ColwiseParallel(input_layouts=region, output_layouts=Shard(-1), use_local_output=False),
+    }
     if sp:
         plan["norm"] = SequenceParallel(sequence_dim=0)
     parallelize_module(model, mesh, plan)
     for block in model.layers.values():
         layer_plan = {
-            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=region),
-            "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=region),
+            "mlp.w1": ColwiseParallel(),
+            "mlp.w3": ColwiseParallel(),
+            "mlp.w2": RowwiseParallel(output_layouts=region),
         }
         if sp:
-            layer_plan.update({
-                "attn_norm": SequenceParallel(sequence_dim=0), "mlp_norm": SequenceParallel(sequence_dim=0),
-                "attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            })
+            layer_plan.update(
+                {
+                    "attn_norm": SequenceParallel(sequence_dim=0),
+                    "mlp_norm": SequenceParallel(sequence_dim=0),
+                    "attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                    "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                }
+            )
         parallelize_module(block, mesh, layer_plan)
-    model.loss_fn = lambda logits, targets: F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(),
-                                                            reduction="sum")
+    model.loss_fn = lambda logits, targets: F.cross_entropy(
+        logits.float().flatten(0, -2), targets.flatten(), reduction="sum"
+    )
     opt = MeshOptimizer(model, cfg.train)
 
     def step(tokens, targets, n_tokens):
@@ -115,8 +140,9 @@ def bench_worker(tp: int, sp: bool, shape: dict, batch: int, rounds: int, steps:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab, (batch, cfg.model.seq_len + 1), generator=gen)
     inputs, targets, n_tokens = tokens[:, :-1], tokens[:, 1:], batch * cfg.model.seq_len
-    contestants = {name: partial(step, inputs, targets, n_tokens)
-                   for name, step in (("threefold", ours), ("dtensor", peer))}
+    contestants = {
+        name: partial(step, inputs, targets, n_tokens) for name, step in (("threefold", ours), ("dtensor", peer))
+    }
     # Warm-up from the same weights: step 1's loss checks the forward, step 2's the update too.
     losses = {name: [step() / n_tokens for _ in range(max(1, warmup))] for name, step in contestants.items()}
     blocks = alternate(contestants, rounds, steps, dist.barrier)
@@ -140,35 +166,48 @@ def main(argv=None) -> list[dict]:
     rows = []
     for tp in args.tp:
         for sp in args.sp:
-            out = run_ranks(bench_worker, tp, tp, sp == "on", shape, args.batch, args.rounds, args.steps,
-                            args.warmup, timeout=1800)[0]
+            out = run_ranks(
+                bench_worker, tp, tp, sp == "on", shape, args.batch, args.rounds, args.steps, args.warmup, timeout=1800
+            )[0]
             rows.append({"tp": tp, "sp": sp, **out})
-    print(f"\nTraining step, {args.preset} preset (kv_heads {args.kv_heads}, seq {args.seq}), batch {args.batch}, "
-          f"CPU/gloo, {args.rounds} rounds x {args.steps} steps, median [IQR] ms; ratio: median per-round ratio "
-          "[95% bootstrap interval]\n")
-    print("| tp | sp | threefold ms | DTensor ms | threefold / DTensor | loss per token, warm-up steps (threefold; "
-          "DTensor) |")
+    print(
+        f"\nTraining step, {args.preset} preset (kv_heads {args.kv_heads}, seq {args.seq}), batch {args.batch}, "
+        f"CPU/gloo, {args.rounds} rounds x {args.steps} steps, median [IQR] ms; ratio: median per-round ratio "
+        "[95% bootstrap interval]\n"
+    )
+    print(
+        "| tp | sp | threefold ms | DTensor ms | threefold / DTensor | loss per token, warm-up steps (threefold; "
+        "DTensor) |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
         b, la, lb = r["blocks"], r["losses"]["threefold"], r["losses"]["dtensor"]
-        print(f"| {r['tp']} | {r['sp']} | {cell(steps_of(b['threefold']))} | {cell(steps_of(b['dtensor']))} | "
-              f"{show(ratio(b, 'threefold', 'dtensor'))} | {', '.join(f'{x:.6f}' for x in la)}; "
-              f"{', '.join(f'{x:.6f}' for x in lb)} |")
+        print(
+            f"| {r['tp']} | {r['sp']} | {cell(steps_of(b['threefold']))} | {cell(steps_of(b['dtensor']))} | "
+            f"{show(ratio(b, 'threefold', 'dtensor'))} | {', '.join(f'{x:.6f}' for x in la)}; "
+            f"{', '.join(f'{x:.6f}' for x in lb)} |"
+        )
     worst = max(abs(x - y) for r in rows for x, y in zip(r["losses"]["threefold"], r["losses"]["dtensor"]))
-    print(f"\nLargest warm-up loss difference (same weights and batch): {worst:.1e}. On CPU with the tiny "
-          "model the ratio mostly measures DTensor's per-operator Python dispatch, not tensor-parallel compute "
-          "or communication.\n")
+    print(
+        f"\nLargest warm-up loss difference (same weights and batch): {worst:.1e}. On CPU with the tiny "
+        "model the ratio mostly measures DTensor's per-operator Python dispatch, not tensor-parallel compute "
+        "or communication.\n"
+    )
     print("Contestants:\n")
-    print("- threefold: its Trainer's train_step (tp group of the same ranks, dp 1): TP layers, summed-token loss "
-          "over vocab-split logits, finalize_grads (TP partial sums, the global norm), the ranks' health "
-          "all-gather, clip and the engine's AdamW (torch's foreach arithmetic on flat buffers, weight decay on "
-          "matrices only), the loss and metrics reductions.")
+    print(
+        "- threefold: its Trainer's train_step (tp group of the same ranks, dp 1): TP layers, summed-token loss "
+        "over vocab-split logits, finalize_grads (TP partial sums, the global norm), the ranks' health "
+        "all-gather, clip and the engine's AdamW (torch's foreach arithmetic on flat buffers, weight decay on "
+        "matrices only), the loss and metrics reductions."
+    )
     for r in rows:
         print(f"- DTensor tp{r['tp']} sp {r['sp']}: parallelize_module (torchtitan plan), loss_parallel; {r['peer']}.")
-    print(f"- Both: mesh (tp,) of gloo ranks on CPU, the same init and batch, constant lr, clipping at the same "
-          f"global norm; {args.warmup} untimed warm-up steps each (their losses in the table), then "
-          f"{args.rounds} rounds x {args.steps} steps alternating threefold, DTensor; per-round value = median "
-          "of the round's step times on rank 0.")
+    print(
+        f"- Both: mesh (tp,) of gloo ranks on CPU, the same init and batch, constant lr, clipping at the same "
+        f"global norm; {args.warmup} untimed warm-up steps each (their losses in the table), then "
+        f"{args.rounds} rounds x {args.steps} steps alternating threefold, DTensor; per-round value = median "
+        "of the round's step times on rank 0."
+    )
     return rows
 
 

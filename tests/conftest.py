@@ -29,9 +29,18 @@ def data(tmp_path_factory, cache_dir) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def dp_reference(data) -> list[float]:
+    """Losses of the small data-parallel run as one process with torch AdamW (tests/dp_checks.py)."""
+    from dp_checks import make_cfg, train_reference
+
+    return train_reference(make_cfg(data))
+
+
 def pytest_addoption(parser):
-    parser.addoption("--tolerances", action="store_true",
-                     help="list every checked value next to its bound, tightest margin first")
+    parser.addoption(
+        "--tolerances", action="store_true", help="list every checked value next to its bound, tightest margin first"
+    )
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -44,5 +53,6 @@ def pytest_terminal_summary(terminalreporter, config):
 
     terminalreporter.section("observed values vs bounds (margin = bound / value)")
     for test, check, value, bound in sorted(OBSERVED, key=margin):
-        terminalreporter.write_line(f"{margin((test, check, value, bound)):9.1f}x  {value:10.3g} <= {bound:<9.3g} "
-                                    f"{check}  [{test}]")
+        terminalreporter.write_line(
+            f"{margin((test, check, value, bound)):9.1f}x  {value:10.3g} <= {bound:<9.3g} {check}  [{test}]"
+        )

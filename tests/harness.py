@@ -3,6 +3,7 @@
 Each worker gets the same environment torchrun would give it (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT, LOCAL_RANK ...), so code under test takes its production start-up path.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,15 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     import torch
 
     torch.set_num_threads(1)
@@ -54,18 +62,20 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, may_exit: dict[int,
         while len(results) + len(errors) < world:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"{world}-rank run of {fn.__name__} timed out after {timeout:.0f}s "
-                                   f"({len(results)} ranks finished)")
+                raise TimeoutError(
+                    f"{world}-rank run of {fn.__name__} timed out after {timeout:.0f}s ({len(results)} ranks finished)"
+                )
             try:
                 rank, status, value = queue.get(timeout=min(remaining, 1.0))
             except queue_mod.Empty:
                 for r, p in enumerate(procs):
                     if r in may_exit and r not in results and p.exitcode == may_exit[r]:
                         results[r] = ("exited", p.exitcode)
-                dead = [(r, p.exitcode) for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in results]
+                dead = [
+                    (r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results
+                ]
                 if dead and queue.empty():
-                    raise RuntimeError(f"worker {dead[0][0]} exited with code {dead[0][1]} without reporting")
+                    raise RuntimeError(f"worker {dead[0][0]} exited with code {dead[0][1]} without reporting") from None
                 continue
             if status == "ok":
                 results[rank] = value
@@ -186,5 +196,7 @@ def run_training_many(runs: dict[str, dict], root, cache_dir: str, world: int, t
 
     jobs = [resolved_config(over, Path(root) / name, cache_dir, world) for name, over in runs.items()]
     run_ranks(train_jobs, world, jobs, timeout=timeout)
-    return {name: [json.loads(line) for line in (Path(root) / name / "metrics.jsonl").read_text().splitlines()]
-            for name in runs}
+    return {
+        name: [json.loads(line) for line in (Path(root) / name / "metrics.jsonl").read_text().splitlines()]
+        for name in runs
+    }

@@ -1,5 +1,6 @@
 """Helpers of tests/test_hf_interop.py: tiny random Hugging Face models, and the check that runs
 inside spawned ranks (logits of an imported checkpoint in a tensor/pipeline-parallel layout)."""
+
 from __future__ import annotations
 
 import torch
@@ -15,23 +16,41 @@ def tiny_hf_model(kind: str, out_dir: str, **overrides):
 
     torch.manual_seed(0)
     if kind == "gpt2":
-        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=32,
-                                      bos_token_id=0, eos_token_id=0, **overrides)
+        cfg = transformers.GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=0, **overrides
+        )
         model = transformers.GPT2LMHeadModel(cfg)
     elif kind == "qwen2":
-        cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=1, vocab_size=96,
-                                       max_position_embeddings=32, tie_word_embeddings=True, **overrides)
+        cfg = transformers.Qwen2Config(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            vocab_size=96,
+            max_position_embeddings=32,
+            tie_word_embeddings=True,
+            **overrides,
+        )
         model = transformers.Qwen2ForCausalLM(cfg)
         with torch.no_grad():  # random (not zero) q/k/v biases, so their conversion is tested
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     else:
-        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-                                       max_position_embeddings=32, rope_theta=5000.0, bos_token_id=0,
-                                       eos_token_id=0, **overrides)
+        cfg = transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=96,
+            max_position_embeddings=32,
+            rope_theta=5000.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            **overrides,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():  # norms away from 1 and biases away from 0: a swapped tensor shows
         for name, p in model.named_parameters():

@@ -1,6 +1,7 @@
 """The benchmark suite's plumbing (bench/run.py, bench/suite.py, bench/stats.py) and bench/gpu.py's
 CPU-testable parts. No timing is asserted: these check registry, markdown, intervals, goals,
 JSON and error paths."""
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ import run as bench_run  # noqa: E402
 import stats  # noqa: E402
 import suite  # noqa: E402
 
-FAKE = '''
+FAKE = """
 def main(argv):
     if "--boom" in argv:
         raise RuntimeError("first line\\nthe section broke")
@@ -26,7 +27,7 @@ def main(argv):
     print("|---|---|")
     print(f"| {argv[0]} | 2 |")
     return [{"ratio": float(argv[0])}]
-'''
+"""
 
 
 @pytest.fixture
@@ -37,8 +38,14 @@ def fake_module(tmp_path, monkeypatch):
 
 
 def fake(full="0.5", quick="1.5", goals=None):
-    return suite.Script("fake_bench", "A fake comparison", full, quick,
-                        lambda rows: {"fake time": rows[0]["ratio"]}, goals or {"fake": "<= 1.0"})
+    return suite.Script(
+        "fake_bench",
+        "A fake comparison",
+        full,
+        quick,
+        lambda rows: {"fake time": rows[0]["ratio"]},
+        goals or {"fake": "<= 1.0"},
+    )
 
 
 def test_section_keeps_printed_markdown_and_ratios(fake_module):
@@ -68,9 +75,11 @@ def test_suite_writes_doc_from_scratch_with_machine_command_and_goals(fake_modul
     assert "whole interval clears it" in text
     data = json.loads(js.read_text())
     exact = {"value": 0.5, "lo": 0.5, "hi": 0.5, "n": 1, "how": "exact"}
-    assert [s["ratios"] for s in data["sections"]] == [{"fake time": exact},
-                                                      {"fake time": {**exact, "value": 1.5, "lo": 1.5, "hi": 1.5}},
-                                                      {}]
+    assert [s["ratios"] for s in data["sections"]] == [
+        {"fake time": exact},
+        {"fake time": {**exact, "value": 1.5, "lo": 1.5, "hi": 1.5}},
+        {},
+    ]
     assert [s["verdicts"] for s in data["sections"]] == [{"fake time": "yes"}, {"fake time": "no"}, {}]
     assert data["sections"][2]["error"].startswith("RuntimeError")
 
@@ -81,20 +90,29 @@ def test_summary_escapes_pipes_in_ratio_names():
 
 
 def test_summary_shows_interval_how_and_verdict():
-    r = suite.Result("s", "S", "cmd", "", {"t": stats.Interval(0.9, 0.7, 1.1, 6, "per-round ratio, 6 rounds")},
-                     {"t": "<= 0.8"})
-    assert suite.summary_table([r])[-1] == \
-        "| s | t | 0.900 | [0.700, 1.100] | per-round ratio, 6 rounds | <= 0.8 | within noise |"
+    r = suite.Result(
+        "s", "S", "cmd", "", {"t": stats.Interval(0.9, 0.7, 1.1, 6, "per-round ratio, 6 rounds")}, {"t": "<= 0.8"}
+    )
+    assert (
+        suite.summary_table([r])[-1]
+        == "| s | t | 0.900 | [0.700, 1.100] | per-round ratio, 6 rounds | <= 0.8 | within noise |"
+    )
 
 
 def test_json_keeps_value_interval_n_and_how(tmp_path):
     measured = stats.paired_ratio([1.0, 2.0, 3.0], [2.0, 2.0, 2.0])
-    r = suite.Result("s", "S", "cmd", "", {"t": measured, "m": 0.25, "one": stats.paired_ratio([1.0], [2.0])},
-                     {"t": "<= 2.0"})
+    r = suite.Result(
+        "s", "S", "cmd", "", {"t": measured, "m": 0.25, "one": stats.paired_ratio([1.0], [2.0])}, {"t": "<= 2.0"}
+    )
     suite.write_json(str(tmp_path / "b.json"), [r], {"cpu": "x"}, "cmd")
     ratios = json.loads((tmp_path / "b.json").read_text())["sections"][0]["ratios"]
-    assert ratios["t"] == {"value": 1.0, "lo": measured.lo, "hi": measured.hi, "n": 3,
-                           "how": "per-round ratio, 3 rounds"}
+    assert ratios["t"] == {
+        "value": 1.0,
+        "lo": measured.lo,
+        "hi": measured.hi,
+        "n": 3,
+        "how": "per-round ratio, 3 rounds",
+    }
     assert ratios["m"] == {"value": 0.25, "lo": 0.25, "hi": 0.25, "n": 1, "how": "exact"}
     assert ratios["one"]["lo"] is None and ratios["one"]["hi"] is None  # one round: no interval
 
@@ -106,17 +124,33 @@ def test_quick_run_without_out_prints_and_writes_nothing(fake_module, tmp_path, 
     assert not list(tmp_path.glob("*.md"))
 
 
-@pytest.mark.parametrize("value, bound, met", [(0.8, "<= 0.8", True), (0.81, "<= 0.8", False),
-                                               (1.2, ">= 1.0", True), (0.99, ">= 1.0", False),
-                                               (3e-6, "<= 1e-05", True)])
+@pytest.mark.parametrize(
+    "value, bound, met",
+    [
+        (0.8, "<= 0.8", True),
+        (0.81, "<= 0.8", False),
+        (1.2, ">= 1.0", True),
+        (0.99, ">= 1.0", False),
+        (3e-6, "<= 1e-05", True),
+    ],
+)
 def test_goals(value, bound, met):
     assert suite.check_goal(value, bound) is met
 
 
-@pytest.mark.parametrize("lo, hi, bound, met", [
-    (0.6, 0.75, "<= 0.8", "yes"), (0.82, 0.9, "<= 0.8", "no"), (0.7, 0.9, "<= 0.8", "within noise"),
-    (1.1, 1.3, ">= 1.0", "yes"), (0.8, 0.95, ">= 1.0", "no"), (0.95, 1.05, ">= 1.0", "within noise"),
-    (0.8, 0.8, "<= 0.8", "yes"), (-float("inf"), float("inf"), "<= 0.8", "within noise")])
+@pytest.mark.parametrize(
+    "lo, hi, bound, met",
+    [
+        (0.6, 0.75, "<= 0.8", "yes"),
+        (0.82, 0.9, "<= 0.8", "no"),
+        (0.7, 0.9, "<= 0.8", "within noise"),
+        (1.1, 1.3, ">= 1.0", "yes"),
+        (0.8, 0.95, ">= 1.0", "no"),
+        (0.95, 1.05, ">= 1.0", "within noise"),
+        (0.8, 0.8, "<= 0.8", "yes"),
+        (-float("inf"), float("inf"), "<= 0.8", "within noise"),
+    ],
+)
 def test_goal_verdicts_need_the_whole_interval(lo, hi, bound, met):
     assert suite.verdict(stats.Interval((lo + hi) / 2 if hi < float("inf") else 0.0, lo, hi, 6, "t"), bound) == met
 
@@ -164,8 +198,9 @@ def test_timing_blocks_give_round_medians_and_ratio():
     got = timing.ratio(blocks, "a", "b")
     assert got.value == 0.5 and got.n == 3
     calls = []
-    out = timing.alternate({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=2, steps=2,
-                           warmup=1)
+    out = timing.alternate(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=2, steps=2, warmup=1
+    )
     assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 2  # warm-up, then A, B blocks per round
     assert [len(r) for r in out["a"]] == [2, 2] and len(out["b"]) == 2
 
@@ -190,19 +225,32 @@ def test_unknown_section_is_one_line_exit_2(capsys):
 def test_threed_analytic_bytes_and_ratios():
     from threed_vs_torch import analytic_bytes, comm_ratios, make_cfg
 
-    cfg = make_cfg(2, 2, 2, "1f1b", 3, {"model.preset": "tiny", "model.seq_len": 64, "train.global_batch": 16,
-                                        "train.micro_batch": 2})
+    cfg = make_cfg(
+        2,
+        2,
+        2,
+        "1f1b",
+        3,
+        {"model.preset": "tiny", "model.seq_len": 64, "train.global_batch": 16, "train.micro_batch": 2},
+    )
     m = cfg.parallel.microbatches
     assert m == 4
     x = 64 * 2 * 128 * 4  # seq x micro-batch x hidden fp32
     got = analytic_bytes(cfg, 2, True, False, numel=1000, block_numel=800)
     assert got["tp"] == m * x * (4 * 2 + 1)
     assert got["dp"] == 4 * (1000 + 2 * m * 800 + m * 200)
-    ranks = [{"analytic": {"tp": 10, "dp": 20}, "comm": {"tp": 11, "dp": 19},
-              "memory": {"threefold": {"measured": 5, "predicted": 5}}}]
-    assert comm_ratios({"dp": 2, "ranks": ranks}) == {"memory / ZeRO formula (worst rank)": 1.0,
-                                                      "TP bytes / analytic (worst rank)": 1.1,
-                                                      "DP bytes / analytic (worst rank)": 0.95}
+    ranks = [
+        {
+            "analytic": {"tp": 10, "dp": 20},
+            "comm": {"tp": 11, "dp": 19},
+            "memory": {"threefold": {"measured": 5, "predicted": 5}},
+        }
+    ]
+    assert comm_ratios({"dp": 2, "ranks": ranks}) == {
+        "memory / ZeRO formula (worst rank)": 1.0,
+        "TP bytes / analytic (worst rank)": 1.1,
+        "DP bytes / analytic (worst rank)": 0.95,
+    }
 
 
 def test_gpu_model_choice_by_memory():
@@ -217,13 +265,29 @@ def test_gpu_model_choice_by_memory():
 
 
 def test_gpu_table_marks_failures_and_unserved_backends():
-    checks = [gpu.check("a", 1e-7, 1e-5), gpu.check("b", 1.0, 1e-5),
-              {"check": "attention efficient bfloat16", "value": None, "tolerance": 2e-2, "ok": True,
-               "note": "not served"},
-              {"check": "attention flash bfloat16", "value": None, "tolerance": 2e-2, "ok": False,
-               "note": "RuntimeError: CUDA error: an illegal memory access"}]
-    perf = {"model": "tiny", "tokens_per_step": 1000, "steps": 4, "warmup": 2, "threefold_step_s": 0.5,
-            "plain_step_s": 0.4, "threefold_mfu": 0.4, "plain_mfu": None, "ratio": 1.25}
+    checks = [
+        gpu.check("a", 1e-7, 1e-5),
+        gpu.check("b", 1.0, 1e-5),
+        {"check": "attention efficient bfloat16", "value": None, "tolerance": 2e-2, "ok": True, "note": "not served"},
+        {
+            "check": "attention flash bfloat16",
+            "value": None,
+            "tolerance": 2e-2,
+            "ok": False,
+            "note": "RuntimeError: CUDA error: an illegal memory access",
+        },
+    ]
+    perf = {
+        "model": "tiny",
+        "tokens_per_step": 1000,
+        "steps": 4,
+        "warmup": 2,
+        "threefold_step_s": 0.5,
+        "plain_step_s": 0.4,
+        "threefold_mfu": 0.4,
+        "plain_mfu": None,
+        "ratio": 1.25,
+    }
     text = gpu.table(checks, perf)
     assert "| a | 1.00e-07 | 1e-05 | ok |" in text and "| b | 1.00e+00 | 1e-05 | FAIL |" in text
     assert "| attention efficient bfloat16 | not served | 2e-02 | - |" in text
@@ -239,6 +303,7 @@ def test_gpu_only_sdpa_refusals_count_as_not_served():
     def refuse(message):
         def measure():
             raise RuntimeError(message)
+
         return measure
 
     cpu = gpu.backend_check("x", 2e-2, refuse("No viable backend for scaled_dot_product_attention was found."))
@@ -254,8 +319,13 @@ def test_gpu_only_sdpa_refusals_count_as_not_served():
 
 def test_gpu_fused_attention_requirement():
     served = gpu.check("attention flash bf16 hd128", 5e-3, 2e-2)
-    refused = {"check": "attention efficient bf16 hd128", "value": None, "tolerance": 2e-2, "ok": True,
-               "note": "not served"}
+    refused = {
+        "check": "attention efficient bf16 hd128",
+        "value": None,
+        "tolerance": 2e-2,
+        "ok": True,
+        "note": "not served",
+    }
     wrong = gpu.check("attention efficient bf16 hd128", 0.3, 2e-2)
     assert gpu.fused_requirement([served, refused], "cuda")["ok"]
     assert gpu.fused_requirement([served, refused], "cuda")["note"] == "flash"
@@ -279,7 +349,6 @@ def test_gpu_script_without_cuda_exits_with_one_line():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py")], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "no CUDA device" in proc.stderr

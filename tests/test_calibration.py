@@ -1,5 +1,6 @@
 """Planner calibration: fitting the cluster's efficiency parameters to measured runs, the
 per-category error bands a calibrated profile carries, and cluster profile files."""
+
 from __future__ import annotations
 
 import json
@@ -7,27 +8,38 @@ from pathlib import Path
 
 import pytest
 
-from test_planner import _cli, cpu_cluster
 from threefold.config import build_config
 from threefold.errors import ConfigError
 from threefold.planner import Layout, bubble_ratio, build_cluster, fit, load_run, model_shape, predict, step_terms
 
+from test_planner import cpu_cluster
+from test_planner_cli import _cli
 
-def _synthetic_run(root: Path, name: str, cfg_pairs, layout: Layout, truth, steps: int = 6,
-                   spans: bool = False) -> str:
+
+def _synthetic_run(root: Path, name: str, cfg_pairs, layout: Layout, truth, steps: int = 6, spans: bool = False) -> str:
     """A run directory whose step times (and pipeline idle) the planner with `truth` predicts
     exactly; with `spans`, also a spans.jsonl whose slowest rank has the predicted split."""
     from threefold.planner.calibrate import cluster_for_run
 
-    cfg = build_config(None, cfg_pairs + [("parallel.dp", str(layout.dp)), ("parallel.tp", str(layout.tp)),
-                                          ("parallel.pp", str(layout.pp)), ("parallel.ep", str(layout.ep)),
-                                          ("train.micro_batch", str(layout.mbs))])
+    cfg = build_config(
+        None,
+        cfg_pairs
+        + [
+            ("parallel.dp", str(layout.dp)),
+            ("parallel.tp", str(layout.tp)),
+            ("parallel.pp", str(layout.pp)),
+            ("parallel.ep", str(layout.ep)),
+            ("train.micro_batch", str(layout.mbs)),
+        ],
+    )
     run = root / name
     run.mkdir()
-    info = {"config": cfg.to_dict(), "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
-                                                "world_size": layout.world},
-            "hardware": {"device_type": "cpu", "logical_cores": truth.host_cores},
-            "extra": {"peak_flops_per_device": truth.peak_tflops * 1e12, "dtype": "torch.float32"}}
+    info = {
+        "config": cfg.to_dict(),
+        "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "world_size": layout.world},
+        "hardware": {"device_type": "cpu", "logical_cores": truth.host_cores},
+        "extra": {"peak_flops_per_device": truth.peak_tflops * 1e12, "dtype": "torch.float32"},
+    }
     (run / "run.json").write_text(json.dumps(info))
     shape = model_shape(cfg.model)
     from threefold.planner.calibrate import Run
@@ -38,18 +50,28 @@ def _synthetic_run(root: Path, name: str, cfg_pairs, layout: Layout, truth, step
 
     terms = step_terms(shape, cluster_for_run(truth, fake), layout, cfg.train.global_batch, "fp32")
     step, idle = pred.step_time_s, seconds(terms.extra.get("pp_idle", {}), cluster_for_run(truth, fake))
-    lines = [json.dumps({"step": i + 1, "step_time_s": step * (3 if i == 0 else 1), "pp_idle_s": idle})
-             for i in range(steps)]
+    lines = [
+        json.dumps({"step": i + 1, "step_time_s": step * (3 if i == 0 else 1), "pp_idle_s": idle}) for i in range(steps)
+    ]
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     if spans:
         t = pred.times
-        slowest = {"forward": t["compute"] + t["overhead"], "recompute": t["recompute"], "tp_comm": t["tp_comm"],
-                   "ep_a2a": t["ep_comm"], "pp_p2p": t["pp_comm"], "pp_bubble": t["bubble"],
-                   "dp_exposed": t["dp_comm"], "optimizer": t["optimizer"]}
+        slowest = {
+            "forward": t["compute"] + t["overhead"],
+            "recompute": t["recompute"],
+            "tp_comm": t["tp_comm"],
+            "ep_a2a": t["ep_comm"],
+            "pp_p2p": t["pp_comm"],
+            "pp_bubble": t["bubble"],
+            "dp_exposed": t["dp_comm"],
+            "optimizer": t["optimizer"],
+        }
         # A lighter rank first: the loader must pick the rank with the most compute.
         light = {**slowest, "forward": slowest["forward"] / 2, "tp_comm": 3 * slowest["tp_comm"]}
-        recs = [{"step": i + 1, "ranks": [{"rank": 0, "time_s": light}, {"rank": 1, "time_s": slowest}]}
-                for i in range(steps)]
+        recs = [
+            {"step": i + 1, "ranks": [{"rank": 0, "time_s": light}, {"rank": 1, "time_s": slowest}]}
+            for i in range(steps)
+        ]
         (run / "spans.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     return str(run)
 
@@ -58,8 +80,14 @@ def test_calibration_recovers_known_parameters(tmp_path):
     truth = cpu_cluster(compute_efficiency=0.37, intra_bw_gbps=2.5, layer_overhead_us=800.0, step_overhead_s=0.02)
     prior = cpu_cluster()
     pairs = [("model.preset", "small"), ("train.global_batch", "16")]
-    layouts = [Layout(dp=1, mbs=4), Layout(dp=2, mbs=2), Layout(dp=4, mbs=4), Layout(dp=4, mbs=1),
-               Layout(dp=8, mbs=1), Layout(tp=2, dp=2, mbs=2)]
+    layouts = [
+        Layout(dp=1, mbs=4),
+        Layout(dp=2, mbs=2),
+        Layout(dp=4, mbs=4),
+        Layout(dp=4, mbs=1),
+        Layout(dp=8, mbs=1),
+        Layout(tp=2, dp=2, mbs=2),
+    ]
     runs = [load_run(_synthetic_run(tmp_path, f"r{i}", pairs, lay, truth)) for i, lay in enumerate(layouts)]
     assert runs[0].steps_used == 5  # the slow first step is dropped as warm-up
     free = ["compute_efficiency", "intra_bw_gbps", "layer_overhead_us", "step_overhead_s"]
@@ -73,11 +101,12 @@ def test_calibration_recovers_known_parameters(tmp_path):
 
 
 def test_core_share_exponent_is_fitted_on_a_grid(tmp_path):
-    truth = cpu_cluster(compute_efficiency=0.4, devices_per_node=2, host_cores=2,
-                        core_share_exponent=1.36)
+    truth = cpu_cluster(compute_efficiency=0.4, devices_per_node=2, host_cores=2, core_share_exponent=1.36)
     pairs = [("model.preset", "small"), ("train.global_batch", "16")]
-    runs = [load_run(_synthetic_run(tmp_path, f"r{i}", pairs, lay, truth))
-            for i, lay in enumerate([Layout(dp=1, mbs=2), Layout(dp=4, mbs=2), Layout(dp=8, mbs=2)])]
+    runs = [
+        load_run(_synthetic_run(tmp_path, f"r{i}", pairs, lay, truth))
+        for i, lay in enumerate([Layout(dp=1, mbs=2), Layout(dp=4, mbs=2), Layout(dp=8, mbs=2)])
+    ]
     cal = fit(runs, cpu_cluster(host_cores=2), ["compute_efficiency", "core_share_exponent"])
     assert cal.cluster.core_share_exponent == pytest.approx(1.36)
     assert cal.cluster.compute_efficiency == pytest.approx(0.4, rel=1e-6)
@@ -90,8 +119,10 @@ def test_core_share_exponent_is_fitted_on_a_grid(tmp_path):
 def test_pipeline_idle_is_a_measured_category(tmp_path):
     truth = cpu_cluster(compute_efficiency=0.4, intra_bw_gbps=2.0)
     pairs = [("model.preset", "small"), ("train.global_batch", "16")]
-    runs = [load_run(_synthetic_run(tmp_path, f"r{i}", pairs, lay, truth))
-            for i, lay in enumerate([Layout(dp=1, mbs=2), Layout(pp=2, dp=2, mbs=2)])]
+    runs = [
+        load_run(_synthetic_run(tmp_path, f"r{i}", pairs, lay, truth))
+        for i, lay in enumerate([Layout(dp=1, mbs=2), Layout(pp=2, dp=2, mbs=2)])
+    ]
     assert "pp_idle_s" not in runs[0].categories and runs[1].categories["pp_idle_s"] > 0
     cal = fit(runs, cpu_cluster(), ["compute_efficiency", "intra_bw_gbps"])
     rows = {(r.run.name, r.category): r for r in cal.rows}
@@ -119,8 +150,13 @@ def test_pipeline_on_shared_cores_is_bounded_by_critical_path_and_total_work():
     B = 16
 
     def work(lay, cores, exponent=1.0):
-        cluster = cpu_cluster(devices_per_node=4, host_cores=cores, layer_overhead_us=0.0, step_overhead_s=0.0,
-                              core_share_exponent=exponent)
+        cluster = cpu_cluster(
+            devices_per_node=4,
+            host_cores=cores,
+            layer_overhead_us=0.0,
+            step_overhead_s=0.0,
+            core_share_exponent=exponent,
+        )
         t = step_terms(shape, cluster, lay, B, "fp32").categories
         return {c: seconds(t[c], cluster) for c in ("compute", "recompute", "overhead", "bubble")}
 
@@ -147,8 +183,10 @@ def test_pipeline_on_shared_cores_is_bounded_by_critical_path_and_total_work():
 def test_calibration_on_expert_parallel_runs(tmp_path):
     truth = cpu_cluster(compute_efficiency=0.35, intra_bw_gbps=2.0)
     pairs = [("model.preset", "tiny"), ("model.num_experts", "4"), ("train.global_batch", "16")]
-    runs = [load_run(_synthetic_run(tmp_path, f"r{i}", pairs, lay, truth))
-            for i, lay in enumerate([Layout(dp=1, mbs=4), Layout(dp=4, ep=4, mbs=2), Layout(dp=4, ep=2, mbs=4)])]
+    runs = [
+        load_run(_synthetic_run(tmp_path, f"r{i}", pairs, lay, truth))
+        for i, lay in enumerate([Layout(dp=1, mbs=4), Layout(dp=4, ep=4, mbs=2), Layout(dp=4, ep=2, mbs=4)])
+    ]
     assert [r.layout.ep for r in runs] == [1, 4, 2]
     cal = fit(runs, cpu_cluster(), ["compute_efficiency", "intra_bw_gbps"])
     assert cal.cluster.compute_efficiency == pytest.approx(0.35) and cal.cluster.intra_bw_gbps == pytest.approx(2.0)
@@ -162,9 +200,24 @@ def test_calibrate_cli_table_and_profile(capsys, tmp_path):
     b = _synthetic_run(tmp_path, "dp4", pairs, Layout(dp=4, mbs=2), truth)
     c = _synthetic_run(tmp_path, "dp2", pairs, Layout(dp=2, mbs=4), truth)
     profile = tmp_path / "fitted.toml"
-    code, out, err = _cli(capsys, "--calibrate", a, b, "--validate", c, "--cluster.device", "cpu",
-                          "--cluster.peak_tflops", "0.05", "--cluster.host_cores", "8",
-                          "--fit", "compute_efficiency,intra_bw_gbps", "--save-profile", str(profile))
+    code, out, err = _cli(
+        capsys,
+        "--calibrate",
+        a,
+        b,
+        "--validate",
+        c,
+        "--cluster.device",
+        "cpu",
+        "--cluster.peak_tflops",
+        "0.05",
+        "--cluster.host_cores",
+        "8",
+        "--fit",
+        "compute_efficiency,intra_bw_gbps",
+        "--save-profile",
+        str(profile),
+    )
     assert code == 0, err
     assert "compute_efficiency 0.5 -> 0.3" in out and "(held out)" in out and "0.0%" in out
     fitted = build_cluster({"profile": str(profile)})
@@ -176,8 +229,10 @@ def test_category_error_bands_travel_from_calibration_to_the_plan(capsys, tmp_pa
     band, the saved profile keeps it, and a plan made with the profile prints DP comm with it."""
     truth = cpu_cluster(compute_efficiency=0.3, intra_bw_gbps=1.5)
     pairs = [("model.preset", "tiny"), ("train.global_batch", "8")]
-    runs = [_synthetic_run(tmp_path, name, pairs, lay, truth, spans=True)
-            for name, lay in (("dp2", Layout(dp=2, mbs=2)), ("dp4", Layout(dp=4, mbs=2)))]
+    runs = [
+        _synthetic_run(tmp_path, name, pairs, lay, truth, spans=True)
+        for name, lay in (("dp2", Layout(dp=2, mbs=2)), ("dp4", Layout(dp=4, mbs=2)))
+    ]
     for run in runs:
         spans = Path(run) / "spans.jsonl"
         recs = [json.loads(line) for line in spans.read_text().splitlines()]
@@ -186,24 +241,62 @@ def test_category_error_bands_travel_from_calibration_to_the_plan(capsys, tmp_pa
                 rank["time_s"]["dp_exposed"] *= 3
         spans.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     profile = tmp_path / "fitted.toml"
-    code, out, err = _cli(capsys, "--calibrate", *runs, "--cluster.device", "cpu", "--cluster.peak_tflops", "0.05",
-                          "--cluster.host_cores", "8", "--fit", "compute_efficiency", "--save-profile", str(profile))
+    code, out, err = _cli(
+        capsys,
+        "--calibrate",
+        *runs,
+        "--cluster.device",
+        "cpu",
+        "--cluster.peak_tflops",
+        "0.05",
+        "--cluster.host_cores",
+        "8",
+        "--fit",
+        "compute_efficiency",
+        "--save-profile",
+        str(profile),
+    )
     assert code == 0, err
     bands = build_cluster({"profile": str(profile)}).validation
     dp = bands["dp_comm"]
     assert dp.runs == 2 and dp.hi < -0.5 and not dp.within  # the model's DP time is under half of measured
     assert bands["work"].within and bands["work"].runs == 2 and "pp_comm" not in bands
     assert f"dp_comm {dp.runs}" in " ".join(out.split()) and "outside: plans print this band with it" in out
-    code, out, err = _cli(capsys, "--model.preset", "tiny", "--train.global_batch", "8", "--cluster.profile",
-                          str(profile), "--cluster.devices_per_node", "4", "--layout", "tp=1,pp=2,dp=2,mbs=2")
+    code, out, err = _cli(
+        capsys,
+        "--model.preset",
+        "tiny",
+        "--train.global_batch",
+        "8",
+        "--cluster.profile",
+        str(profile),
+        "--cluster.devices_per_node",
+        "4",
+        "--layout",
+        "tp=1,pp=2,dp=2,mbs=2",
+    )
     assert code == 0, err
     time_line = next(line for line in out.splitlines() if line.strip().startswith("time:"))
     assert "DP comm" in time_line and f"(calibration error {dp.text()})" in time_line
     assert "PP comm" in time_line and "(not validated)" in time_line
-    assert "outside, with the error band calibration measured" in out and "not measured by any calibration run: pp_comm" in out
+    assert (
+        "outside, with the error band calibration measured" in out
+        and "not measured by any calibration run: pp_comm" in out
+    )
     # Without a calibrated profile the split is called an estimate.
-    code, out, _ = _cli(capsys, "--model.preset", "tiny", "--train.global_batch", "8", "--cluster.device", "cpu",
-                        "--cluster.peak_tflops", "0.05", "--top", "2")
+    code, out, _ = _cli(
+        capsys,
+        "--model.preset",
+        "tiny",
+        "--train.global_batch",
+        "8",
+        "--cluster.device",
+        "cpu",
+        "--cluster.peak_tflops",
+        "0.05",
+        "--top",
+        "2",
+    )
     assert code == 0 and "shares are the cost model's estimate" in out
 
 
@@ -219,8 +312,9 @@ def test_a_bad_validation_table_is_one_line(tmp_path):
 
 
 def test_calibrate_refuses_a_directory_that_is_not_a_run(capsys, tmp_path):
-    code, _, err = _cli(capsys, "--calibrate", str(tmp_path), "--cluster.device", "cpu",
-                        "--cluster.peak_tflops", "0.05")
+    code, _, err = _cli(
+        capsys, "--calibrate", str(tmp_path), "--cluster.device", "cpu", "--cluster.peak_tflops", "0.05"
+    )
     assert code == 2 and "not a run directory" in err
 
 

@@ -1,4 +1,5 @@
 """Checkpoints: exact resume, resharding between layouts, crash safety, corruption, bad input."""
+
 import json
 import shutil
 import subprocess
@@ -6,8 +7,9 @@ import sys
 
 import pytest
 
-from harness import CALM_LR, assert_parity, run_training, run_training_many
 from threefold.checkpoint import CheckpointError, find_resumable, list_checkpoints, open_checkpoint
+
+from harness import CALM_LR, assert_parity, run_training, run_training_many
 
 BASE = {"train.steps": 10, "train.seed": 0, "train.lr": CALM_LR}
 
@@ -36,21 +38,28 @@ def test_resume_is_bitwise_exact(straight, tmp_path, cache_dir):
 def saved_layouts(tmp_path_factory, cache_dir):
     """Step-5 checkpoints written by three 4-rank layouts."""
     root = tmp_path_factory.mktemp("layouts")
-    layouts = {"tp2-pp2": {"parallel.tp": 2, "parallel.pp": 2},
-               "dp4": {"parallel.dp": 4},
-               "tp2-dp2-zero2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.sp": "true", "parallel.zero": 2}}
-    runs = {name: {**BASE, **over, "train.steps": 5, "checkpoint.dir": root / name / "ckpt"}
-            for name, over in layouts.items()}
+    layouts = {
+        "tp2-pp2": {"parallel.tp": 2, "parallel.pp": 2},
+        "dp4": {"parallel.dp": 4},
+        "tp2-dp2-zero2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.sp": "true", "parallel.zero": 2},
+    }
+    runs = {
+        name: {**BASE, **over, "train.steps": 5, "checkpoint.dir": root / name / "ckpt"}
+        for name, over in layouts.items()
+    }
     run_training_many(runs, root, cache_dir, world=4)
     return {name: root / name / "ckpt" for name in layouts}
 
 
-@pytest.mark.parametrize("source, target", [
-    ("tp2-pp2", {"parallel.dp": 4}),
-    ("dp4", {"parallel.tp": 2, "parallel.dp": 2, "parallel.sp": "true", "parallel.zero": 2}),
-    ("tp2-dp2-zero2", {"parallel.tp": 2, "parallel.pp": 2}),
-    ("tp2-pp2", {"parallel.dp": 4, "parallel.zero": 3}),
-])
+@pytest.mark.parametrize(
+    "source, target",
+    [
+        ("tp2-pp2", {"parallel.dp": 4}),
+        ("dp4", {"parallel.tp": 2, "parallel.dp": 2, "parallel.sp": "true", "parallel.zero": 2}),
+        ("tp2-dp2-zero2", {"parallel.tp": 2, "parallel.pp": 2}),
+        ("tp2-pp2", {"parallel.dp": 4, "parallel.zero": 3}),
+    ],
+)
 def test_checkpoint_loads_into_another_layout(source, target, saved_layouts, straight, tmp_path, cache_dir):
     runs = {"resumed": {**BASE, **target, "checkpoint.resume": saved_layouts[source]}}
     resumed = run_training_many(runs, tmp_path, cache_dir, world=4)["resumed"]
@@ -64,8 +73,9 @@ def test_one_process_loads_a_four_rank_checkpoint(saved_layouts, straight, tmp_p
 
 
 def test_init_from_takes_the_weights_and_starts_a_fresh_run(saved_layouts, straight, tmp_path, cache_dir):
-    run = run_training({**BASE, "train.steps": 2, "checkpoint.init_from": saved_layouts["tp2-pp2"]}, tmp_path,
-                       cache_dir)
+    run = run_training(
+        {**BASE, "train.steps": 2, "checkpoint.init_from": saved_layouts["tp2-pp2"]}, tmp_path, cache_dir
+    )
     assert [r["step"] for r in run] == [1, 2]  # step, LR warm-up and data order start anew
     assert run[0]["loss"] < straight[0]["loss"] - 0.3  # but from the trained weights
     assert run[0]["lr"] == straight[0]["lr"]
@@ -104,8 +114,12 @@ def test_corrupted_shard_is_reported_and_the_previous_used(saved_layouts, tmp_pa
 
 
 def _cli(args, cache_dir):
-    return subprocess.run([sys.executable, "-m", "threefold", "train", "--data.cache_dir", cache_dir, *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "threefold", "train", "--data.cache_dir", cache_dir, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_not_a_checkpoint_is_one_line_and_touches_nothing(tmp_path, cache_dir):
@@ -118,22 +132,32 @@ def test_not_a_checkpoint_is_one_line_and_touches_nothing(tmp_path, cache_dir):
 
 def test_checkpoint_of_another_model_shape_is_one_line(saved_layouts, tmp_path, cache_dir):
     before = sorted(p.name for p in saved_layouts["dp4"].iterdir())
-    out = _cli(["--checkpoint.resume", str(saved_layouts["dp4"]), "--model.hidden", "256",
-                "--log.dir", str(tmp_path / "run")], cache_dir)
+    out = _cli(
+        ["--checkpoint.resume", str(saved_layouts["dp4"]), "--model.hidden", "256", "--log.dir", str(tmp_path / "run")],
+        cache_dir,
+    )
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "has shape" in out.stderr
     assert sorted(p.name for p in saved_layouts["dp4"].iterdir()) == before
 
 
 def test_info_and_export(saved_layouts, tmp_path):
-    info = subprocess.run([sys.executable, "-m", "threefold", "checkpoint", "info", str(saved_layouts["tp2-pp2"])],
-                          capture_output=True, text=True, timeout=60)
+    info = subprocess.run(
+        [sys.executable, "-m", "threefold", "checkpoint", "info", str(saved_layouts["tp2-pp2"])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert info.returncode == 0, info.stderr
     assert "step        5" in info.stdout and "tp=2 pp=2 dp=1" in info.stdout and "verified" in info.stdout
     safetensors = pytest.importorskip("safetensors.torch")
     out = tmp_path / "export"
-    done = subprocess.run([sys.executable, "-m", "threefold", "checkpoint", "export", str(saved_layouts["tp2-pp2"]),
-                           str(out)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "threefold", "checkpoint", "export", str(saved_layouts["tp2-pp2"]), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     weights = safetensors.load_file(str(out / "model.safetensors"))
     assert weights["tok_embed.weight"].shape == (256, 128) and weights["layers.3.mlp.w2.weight"].shape == (128, 352)

@@ -1,5 +1,6 @@
 """The communication layer: the one module that talks to torch.distributed, device checks,
 and the bytes and calls it records per group."""
+
 import ast
 from pathlib import Path
 
@@ -36,27 +37,41 @@ def _direct_uses(path: Path) -> list[str]:
 
 
 def test_only_comm_talks_to_torch_distributed():
-    uses = [u for f in sorted(PACKAGE.rglob("*.py")) if f.name != "comm.py" or f.parent.name != "distributed"
-            for u in _direct_uses(f)]
+    uses = [
+        u
+        for f in sorted(PACKAGE.rglob("*.py"))
+        if f.name != "comm.py" or f.parent.name != "distributed"
+        for u in _direct_uses(f)
+    ]
     assert uses == [], "torch.distributed used outside threefold/distributed/comm.py:\n" + "\n".join(uses)
 
 
 def test_the_scan_sees_every_spelling(tmp_path):
     bad = tmp_path / "probe.py"
-    bad.write_text("import torch.distributed as dist\nfrom torch import distributed\n"
-                   "from torch.distributed import all_reduce\nimport torch\ntorch.distributed.barrier()\n"
-                   "from torch.distributed.elastic.multiprocessing.errors import ChildFailedError\n")
+    bad.write_text(
+        "import torch.distributed as dist\nfrom torch import distributed\n"
+        "from torch.distributed import all_reduce\nimport torch\ntorch.distributed.barrier()\n"
+        "from torch.distributed.elastic.multiprocessing.errors import ChildFailedError\n"
+    )
     assert [u.split(": ")[-1] for u in _direct_uses(bad)] == [
-        "torch.distributed", "torch.distributed", "torch.distributed", "torch.distributed.all_reduce",
-        "torch.distributed.barrier", "torch.distributed"]
+        "torch.distributed",
+        "torch.distributed",
+        "torch.distributed",
+        "torch.distributed.all_reduce",
+        "torch.distributed.barrier",
+        "torch.distributed",
+    ]
 
 
 def test_a_tensor_off_the_groups_device_is_refused_even_alone():
     """NCCL refuses a CPU tensor; gloo would not say so, and a group of one never communicates.
     The check runs anyway, so a single-GPU run finds a CPU tensor bound for a collective."""
     alone = Group("dp", [0], None, device=torch.device("cuda"))
-    for call in (lambda x: comm.all_reduce(x, alone), lambda x: comm.all_gather_dim0(x, alone),
-                 lambda x: comm.reduce_scatter_dim0(x, alone)):
+    for call in (
+        lambda x: comm.all_reduce(x, alone),
+        lambda x: comm.all_gather_dim0(x, alone),
+        lambda x: comm.reduce_scatter_dim0(x, alone),
+    ):
         with pytest.raises(RuntimeError, match="dp group: the tensor is on cpu, the group communicates on cuda"):
             call(torch.ones(4))
     unchecked = Group("dp", [0], None)

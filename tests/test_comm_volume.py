@@ -1,13 +1,13 @@
 """Bytes and calls per group for one tp2 x pp2 x dp2 ZeRO 1 step, as spans.jsonl reports them,
 against the count the layout implies (the convention of comm.CommStats: bytes = the whole
 logical tensor of a collective, a send's payload; receives are not counted again)."""
+
 import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from harness import CALM_LR, run_training
 from threefold.config import build_config
 from threefold.distributed.comm import Group
 from threefold.distributed.data_parallel.engine import MiB, _ordered_params
@@ -16,10 +16,22 @@ from threefold.distributed.pipeline.partition import stage_layer_ids
 from threefold.distributed.tensor_parallel import apply_tensor_parallel
 from threefold.model.transformer import Transformer
 
+from harness import CALM_LR, run_training
+
 SEQ, B, MB, TP, PP, DP = 32, 8, 2, 2, 2, 2
-RUN = {"train.steps": 3, "train.seed": 0, "train.lr": CALM_LR, "model.seq_len": SEQ, "train.global_batch": B,
-       "train.micro_batch": MB, "parallel.tp": TP, "parallel.pp": PP, "parallel.dp": DP, "parallel.zero": 1,
-       "log.spans": "true"}
+RUN = {
+    "train.steps": 3,
+    "train.seed": 0,
+    "train.lr": CALM_LR,
+    "model.seq_len": SEQ,
+    "train.global_batch": B,
+    "train.micro_batch": MB,
+    "parallel.tp": TP,
+    "parallel.pp": PP,
+    "parallel.dp": DP,
+    "parallel.zero": 1,
+    "log.spans": "true",
+}
 
 
 def padded_numel(cfg, stage: int) -> tuple[int, int]:

@@ -2,6 +2,7 @@
 parallelism x pp 2 x dp 2 (ZeRO 1 and ZeRO 3; 1F1B and interleaved with two virtual stages per
 rank) and a mixture of experts over tp 2 x pp 2 x dp 2 with ep 2 — eight gloo processes each,
 twelve steps at a calm learning rate (see harness.PARITY)."""
+
 import pytest
 
 from harness import CALM_LR, assert_parity, run_training, run_training_many
@@ -9,8 +10,14 @@ from harness import CALM_LR, assert_parity, run_training, run_training_many
 STEPS = 12
 # Two micro-batches per dp rank and step (global batch 8, micro-batch 2): the interleaved
 # schedule needs at least pp of them, and every stage boundary is crossed twice per step.
-BASE = {"train.steps": STEPS, "train.seed": 0, "train.lr": CALM_LR, "train.global_batch": 8,
-        "train.micro_batch": 2, "model.seq_len": 64}
+BASE = {
+    "train.steps": STEPS,
+    "train.seed": 0,
+    "train.lr": CALM_LR,
+    "train.global_batch": 8,
+    "train.micro_batch": 2,
+    "model.seq_len": 64,
+}
 MOE = {"model.num_experts": 4, "model.top_k": 2}
 THREE_D = {"parallel.tp": 2, "parallel.sp": True, "parallel.pp": 2, "parallel.dp": 2}
 INTERLEAVED = {"parallel.schedule": "interleaved", "parallel.vpp": 2}
@@ -19,22 +26,31 @@ RUNS = {
     "tp2-sp-pp2-dp2-zero3-1f1b": {**THREE_D, "parallel.zero": 3},
     "tp2-sp-pp2-dp2-zero1-interleaved": {**THREE_D, "parallel.zero": 1, **INTERLEAVED},
     "tp2-sp-pp2-dp2-zero3-interleaved": {**THREE_D, "parallel.zero": 3, **INTERLEAVED},
-    "moe-tp2-pp2-dp2-ep2-zero1": {**MOE, "parallel.tp": 2, "parallel.pp": 2, "parallel.dp": 2, "parallel.ep": 2,
-                                  "parallel.zero": 1},
+    "moe-tp2-pp2-dp2-ep2-zero1": {
+        **MOE,
+        "parallel.tp": 2,
+        "parallel.pp": 2,
+        "parallel.dp": 2,
+        "parallel.ep": 2,
+        "parallel.zero": 1,
+    },
 }
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, cache_dir) -> dict:
     root = tmp_path_factory.mktemp("one")
-    return {"dense": run_training(BASE, root / "dense", cache_dir),
-            "moe": run_training({**BASE, **MOE}, root / "moe", cache_dir)}
+    return {
+        "dense": run_training(BASE, root / "dense", cache_dir),
+        "moe": run_training({**BASE, **MOE}, root / "moe", cache_dir),
+    }
 
 
 @pytest.fixture(scope="module")
 def composed(tmp_path_factory, cache_dir) -> dict:
-    return run_training_many({k: {**BASE, **v} for k, v in RUNS.items()}, tmp_path_factory.mktemp("eight"),
-                             cache_dir, world=8, timeout=900)
+    return run_training_many(
+        {k: {**BASE, **v} for k, v in RUNS.items()}, tmp_path_factory.mktemp("eight"), cache_dir, world=8, timeout=900
+    )
 
 
 @pytest.mark.parametrize("name", list(RUNS))

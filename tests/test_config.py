@@ -40,22 +40,25 @@ def test_explicit_shape_beats_preset():
 
 def test_toml_then_command_line(tmp_path):
     f = tmp_path / "run.toml"
-    f.write_text('[train]\nsteps = 7\nlr = 0.5\n[parallel]\ndp = 2\n')
+    f.write_text("[train]\nsteps = 7\nlr = 0.5\n[parallel]\ndp = 2\n")
     cfg = build_config(str(f), [("train.steps", "9")])
     assert (cfg.train.steps, cfg.train.lr, cfg.parallel.dp) == (9, 0.5, 2)
 
 
-@pytest.mark.parametrize("pairs, key, fragment", [
-    ([("parallel.tp", "3")], "parallel.tp", "not divisible"),
-    ([("parallel.tpp", "2")], "parallel.tpp", "did you mean 'parallel.tp'"),
-    ([("parallel.dp", "two")], "parallel.dp", "not a valid int"),
-    ([("parallel.schedule", "zigzag")], "parallel.schedule", "valid: gpipe"),
-    ([("model.preset", "huge")], "model.preset", "valid: tiny"),
-    ([("parallel.sp", "true")], "parallel.sp", "needs tensor parallelism"),
-    ([("train.global_batch", "10"), ("parallel.dp", "4")], "train.global_batch", "not divisible"),
-    ([("model.kv_heads", "3")], "model.kv_heads", "not divisible"),
-    ([("train.micro_batch", "3")], "train.micro_batch", "not divisible"),
-])
+@pytest.mark.parametrize(
+    "pairs, key, fragment",
+    [
+        ([("parallel.tp", "3")], "parallel.tp", "not divisible"),
+        ([("parallel.tpp", "2")], "parallel.tpp", "did you mean 'parallel.tp'"),
+        ([("parallel.dp", "two")], "parallel.dp", "not a valid int"),
+        ([("parallel.schedule", "zigzag")], "parallel.schedule", "valid: gpipe"),
+        ([("model.preset", "huge")], "model.preset", "valid: tiny"),
+        ([("parallel.sp", "true")], "parallel.sp", "needs tensor parallelism"),
+        ([("train.global_batch", "10"), ("parallel.dp", "4")], "train.global_batch", "not divisible"),
+        ([("model.kv_heads", "3")], "model.kv_heads", "not divisible"),
+        ([("train.micro_batch", "3")], "train.micro_batch", "not divisible"),
+    ],
+)
 def test_bad_values_name_the_key(pairs, key, fragment):
     with pytest.raises(ConfigError) as info:
         cfg_with(*pairs)
@@ -94,8 +97,9 @@ def test_round_trip_through_dict():
 
 
 def test_cli_prints_one_line_and_exits_2():
-    out = subprocess.run([sys.executable, "-m", "threefold", "train", "--parallel.tp", "3"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "threefold", "train", "--parallel.tp", "3"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "parallel.tp" in lines[0] and "valid: 1, 2, 4" in lines[0]

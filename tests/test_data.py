@@ -1,4 +1,5 @@
 """threefold.data: tokenizer, corpus cache, layout-invariant sampler, prefetcher."""
+
 from __future__ import annotations
 
 import sysconfig
@@ -10,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from threefold.data import (ByteTokenizer, GlobalBatchSampler, Prefetcher, load_tokens,
-                            stdlib_source_files)
+from threefold.data import ByteTokenizer, GlobalBatchSampler, Prefetcher, load_tokens, stdlib_source_files
 from threefold.errors import ConfigError, DataError
 
 # --- tokenizer -------------------------------------------------------------------------
@@ -23,7 +23,7 @@ def test_byte_round_trip():
     ids = tok.encode(text)
     assert ids == list(text.encode("utf-8")) and max(ids) < tok.vocab_size == 256
     assert tok.decode(ids) == text
-    assert tok.decode(ids[:-3] + [0xF0]) .endswith("\ufffd")  # cut character: replaced
+    assert tok.decode(ids[:-3] + [0xF0]).endswith("\ufffd")  # cut character: replaced
 
 
 # --- corpus ----------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def _stream(n: int) -> np.ndarray:
 def test_sampler_windows_and_targets():
     s = GlobalBatchSampler(num_tokens=101, seq_len=10, global_batch=4, seed=0)
     assert s.num_windows == 10
-    (x, y), = s.microbatches(_stream(101), step=0, dp_rank=0, dp_size=1, micro_batch=4)
+    ((x, y),) = s.microbatches(_stream(101), step=0, dp_rank=0, dp_size=1, micro_batch=4)
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (4, 10)
     starts = s.global_windows(0) * 10
     assert torch.equal(x[:, 0], torch.from_numpy(starts)) and torch.equal(y, x + 1)
@@ -184,11 +184,13 @@ def test_sampler_epochs_cover_every_window_once():
     n = s.num_windows  # 10: batches of 4 straddle epoch boundaries
     order = np.concatenate([s.global_windows(k) for k in range(10)])  # 4 epochs
     for e in range(4):
-        assert sorted(order[e * n:(e + 1) * n]) == list(range(n))
-    assert not np.array_equal(order[:n], order[n:2 * n])  # each epoch reshuffled
+        assert sorted(order[e * n : (e + 1) * n]) == list(range(n))
+    assert not np.array_equal(order[:n], order[n : 2 * n])  # each epoch reshuffled
     fresh = GlobalBatchSampler(**s.state_dict())
-    assert np.array_equal(np.concatenate([fresh.global_windows(k) for k in (9, 3, 6)]),
-                          np.concatenate([order[36:40], order[12:16], order[24:28]]))
+    assert np.array_equal(
+        np.concatenate([fresh.global_windows(k) for k in (9, 3, 6)]),
+        np.concatenate([order[36:40], order[12:16], order[24:28]]),
+    )
 
 
 def test_sampler_errors():
@@ -264,9 +266,14 @@ def test_concurrent_cache_builds_agree(tmp_path):
     data.mkdir()
     expected = b"\0".join(_write_docs(data))
     results = []
-    threads = [threading.Thread(target=lambda: results.append(
-        bytes(load_tokens(str(data), 0, "uint16", str(tmp_path / "c")).tokens.astype(np.uint8))))
-        for _ in range(4)]
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(
+                bytes(load_tokens(str(data), 0, "uint16", str(tmp_path / "c")).tokens.astype(np.uint8))
+            )
+        )
+        for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -1,8 +1,9 @@
 import pytest
 
-from harness import run_ranks
 from threefold.distributed.grid import RankLayout
 from threefold.errors import ConfigError
+
+from harness import run_ranks
 
 
 def test_tp_is_innermost_by_default():

@@ -1,15 +1,17 @@
 """Hugging Face interop: import/export round trip, equal logits with transformers in parallel
 layouts, exports that transformers loads, one-line refusals."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+from hf_checks import layout_logits, tiny_hf_model
+
+from threefold.cli import main
 
 from harness import run_ranks, within
-from hf_checks import layout_logits, tiny_hf_model
-from threefold.cli import main
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -32,8 +34,9 @@ def models(tmp_path_factory):
 
 def _hf_tensors(directory) -> dict:
     index = directory / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
-        ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     tensors = {}
     for name in files:
         tensors.update(safetensors.load_file(str(directory / name)))
@@ -69,9 +72,14 @@ def test_export_loads_in_transformers_with_equal_logits(kind, models, tmp_path):
 
 def test_logits_equal_transformers_at_tp2_and_pp2(models):
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(2))
-    jobs = [(str(models["llama"][2]), {"tp": 2, "sp": True}), (str(models["llama"][2]), {"pp": 2}),
-            (str(models["gpt2"][2]), {"tp": 2}), (str(models["gpt2"][2]), {"pp": 2}),
-            (str(models["qwen2"][2]), {"tp": 2}), (str(models["qwen2"][2]), {"pp": 2})]
+    jobs = [
+        (str(models["llama"][2]), {"tp": 2, "sp": True}),
+        (str(models["llama"][2]), {"pp": 2}),
+        (str(models["gpt2"][2]), {"tp": 2}),
+        (str(models["gpt2"][2]), {"pp": 2}),
+        (str(models["qwen2"][2]), {"tp": 2}),
+        (str(models["qwen2"][2]), {"pp": 2}),
+    ]
     results = run_ranks(layout_logits, 2, jobs, tokens, timeout=240)
     for i, (path, parallel) in enumerate(jobs):
         kind = next(k for k in KINDS if str(models[k][2]) == path)
@@ -121,13 +129,23 @@ def test_imported_checkpoint_trains_its_shape(models):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_threefold_trained_model_exports_to_transformers(arch, tmp_path, cache_dir):
-    from harness import run_training
     from threefold.inference.generate import load_consolidated
 
-    overrides = {"model.preset": "tiny", "model.arch": arch, "model.hidden": 64, "model.layers": 2,
-                 "model.seq_len": 32, "model.kv_heads": 4 if arch == "gpt2" else 2,
-                 "model.tie_embeddings": arch == "gpt2", "train.steps": 2, "train.global_batch": 2,
-                 "train.micro_batch": 2, "checkpoint.dir": str(tmp_path / "ckpt")}
+    from harness import run_training
+
+    overrides = {
+        "model.preset": "tiny",
+        "model.arch": arch,
+        "model.hidden": 64,
+        "model.layers": 2,
+        "model.seq_len": 32,
+        "model.kv_heads": 4 if arch == "gpt2" else 2,
+        "model.tie_embeddings": arch == "gpt2",
+        "train.steps": 2,
+        "train.global_batch": 2,
+        "train.micro_batch": 2,
+        "checkpoint.dir": str(tmp_path / "ckpt"),
+    }
     run_training(overrides, tmp_path / "log", cache_dir)
     assert main(["checkpoint", "export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()

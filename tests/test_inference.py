@@ -1,5 +1,6 @@
 """Evaluation (held-out split, layout-invariant loss, eval during training), generation (KV
 cache, sampling filters, trained vs untrained text) and tokenizers (tokenizer.json, BPE prepare)."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from harness import PARITY, run_training, within
 from threefold.cli import main
 from threefold.config import build_config
 from threefold.data.split import heldout_starts, split_point, training_part
@@ -17,8 +17,18 @@ from threefold.inference.generate import KVCache, cached_forward, generate, samp
 from threefold.model.init import init_weights
 from threefold.model.transformer import Transformer
 
-TINY = {"model.preset": "tiny", "model.hidden": 64, "model.layers": 2, "model.ffn_hidden": 176, "model.seq_len": 32,
-        "train.global_batch": 4, "train.micro_batch": 2, "train.warmup_steps": 1}
+from harness import PARITY, run_training, within
+
+TINY = {
+    "model.preset": "tiny",
+    "model.hidden": 64,
+    "model.layers": 2,
+    "model.ffn_hidden": 176,
+    "model.seq_len": 32,
+    "train.global_batch": 4,
+    "train.micro_batch": 2,
+    "train.warmup_steps": 1,
+}
 
 
 def _one_line_error(capsys, argv) -> str:
@@ -29,6 +39,7 @@ def _one_line_error(capsys, argv) -> str:
 
 
 # --- held-out split --------------------------------------------------------------------------
+
 
 def test_heldout_split_is_the_tail_and_disjoint_from_training():
     tokens = np.arange(1000, dtype=np.uint16)
@@ -51,8 +62,16 @@ def test_eval_every_without_heldout_tokens_is_one_line(capsys, tmp_path):
 def trained(tmp_path_factory, cache_dir):
     """A tiny run with held-out tokens, evaluated every 2 steps, checkpointed at the end."""
     root = tmp_path_factory.mktemp("eval")
-    overrides = dict(TINY, **{"train.steps": 4, "data.val_fraction": 0.01, "train.eval_every": 2,
-                              "train.eval_sequences": 5, "checkpoint.dir": str(root / "ckpt")})
+    overrides = dict(
+        TINY,
+        **{
+            "train.steps": 4,
+            "data.val_fraction": 0.01,
+            "train.eval_every": 2,
+            "train.eval_sequences": 5,
+            "checkpoint.dir": str(root / "ckpt"),
+        },
+    )
     metrics = run_training(overrides, root / "log", cache_dir)
     return metrics, root / "ckpt"
 
@@ -69,21 +88,44 @@ def test_in_training_eval_is_layout_invariant(layout, trained, tmp_path, cache_d
     runs a discarded extra micro-batch to keep in step), pipelines pass activations: the
     held-out loss logged during training is the single-process one."""
     metrics, _ = trained
-    overrides = dict(TINY, **{"train.steps": 4, "data.val_fraction": 0.01, "train.eval_every": 2,
-                              "train.eval_sequences": 5}, **layout)
+    overrides = dict(
+        TINY,
+        **{"train.steps": 4, "data.val_fraction": 0.01, "train.eval_every": 2, "train.eval_sequences": 5},
+        **layout,
+    )
     other = run_training(overrides, tmp_path / "log", cache_dir)
-    within(f"{layout} training loss vs one process", max(abs(a["loss"] - b["loss"]) for a, b in zip(metrics, other)),
-           PARITY)
-    within(f"{layout} held-out loss vs one process",
-           max(abs(a.get("val_loss", 0.0) - b.get("val_loss", 0.0)) for a, b in zip(metrics, other)), PARITY)
+    within(
+        f"{layout} training loss vs one process",
+        max(abs(a["loss"] - b["loss"]) for a, b in zip(metrics, other)),
+        PARITY,
+    )
+    within(
+        f"{layout} held-out loss vs one process",
+        max(abs(a.get("val_loss", 0.0) - b.get("val_loss", 0.0)) for a, b in zip(metrics, other)),
+        PARITY,
+    )
 
 
 def test_eval_equals_in_training_eval_in_every_layout(trained, capsys, cache_dir):
     metrics, ckpt = trained
     results = []
     for layout in ([], ["--parallel.tp", "2", "--parallel.sp", "true"], ["--parallel.pp", "2"]):
-        assert main(["eval", "--checkpoint", str(ckpt), "--json", "--train.eval_sequences", "5",
-                     "--data.cache_dir", cache_dir, *layout]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    "--checkpoint",
+                    str(ckpt),
+                    "--json",
+                    "--train.eval_sequences",
+                    "5",
+                    "--data.cache_dir",
+                    cache_dir,
+                    *layout,
+                ]
+            )
+            == 0
+        )
         results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     for r in results:
         assert r["tokens"] == 5 * 32
@@ -99,9 +141,18 @@ def test_eval_refuses_a_new_shape(trained, capsys):
 
 # --- generation -------------------------------------------------------------------------------
 
+
 def _random_model(arch: str) -> Transformer:
-    cfg = build_config(None, [("model.arch", arch), ("model.hidden", "64"), ("model.layers", "2"),
-                              ("model.seq_len", "32"), ("model.kv_heads", "4" if arch == "gpt2" else "2")])
+    cfg = build_config(
+        None,
+        [
+            ("model.arch", arch),
+            ("model.hidden", "64"),
+            ("model.layers", "2"),
+            ("model.seq_len", "32"),
+            ("model.kv_heads", "4" if arch == "gpt2" else "2"),
+        ],
+    )
     model = Transformer(cfg.model)
     init_weights(model, cfg.model, seed=3)
     return model.eval()
@@ -151,25 +202,60 @@ def python_like(text: str) -> bool:
 
 
 def test_generate_prints_python_after_brief_training_and_noise_before(tmp_path, cache_dir, capsys):
-    overrides = dict(TINY, **{"model.seq_len": 64, "train.global_batch": 8, "train.micro_batch": 8,
-                              "train.steps": 200, "train.lr": 0.01, "train.warmup_steps": 10,
-                              "checkpoint.dir": str(tmp_path / "ckpt"), "checkpoint.interval": 200})
+    overrides = dict(
+        TINY,
+        **{
+            "model.seq_len": 64,
+            "train.global_batch": 8,
+            "train.micro_batch": 8,
+            "train.steps": 200,
+            "train.lr": 0.01,
+            "train.warmup_steps": 10,
+            "checkpoint.dir": str(tmp_path / "ckpt"),
+            "checkpoint.interval": 200,
+        },
+    )
     untrained = tmp_path / "untrained"
-    run_training(dict(overrides, **{"train.steps": 1, "train.lr": 1e-9, "checkpoint.dir": str(untrained),
-                                    "checkpoint.interval": 1}), tmp_path / "log0", cache_dir)
+    run_training(
+        dict(
+            overrides,
+            **{"train.steps": 1, "train.lr": 1e-9, "checkpoint.dir": str(untrained), "checkpoint.interval": 1},
+        ),
+        tmp_path / "log0",
+        cache_dir,
+    )
     run_training(overrides, tmp_path / "log", cache_dir)
     texts = {}
     for name, ckpt in (("untrained", untrained), ("trained", tmp_path / "ckpt")):
-        assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "def ", "--temperature", "0.5",
-                     "--top-k", "20", "--max-new-tokens", "60", "--seed", "0"]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--checkpoint",
+                    str(ckpt),
+                    "--prompt",
+                    "def ",
+                    "--temperature",
+                    "0.5",
+                    "--top-k",
+                    "20",
+                    "--max-new-tokens",
+                    "60",
+                    "--seed",
+                    "0",
+                ]
+            )
+            == 0
+        )
         out = capsys.readouterr().out
         assert out.startswith("def ")
-        texts[name] = out[len("def "):].rstrip("\n")
+        texts[name] = out[len("def ") :].rstrip("\n")
     assert python_like(texts["trained"]), texts["trained"]
     assert not python_like(texts["untrained"]), texts["untrained"]
 
 
 # --- tokenizers -------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
@@ -211,14 +297,27 @@ def test_text_corpus_through_a_tokenizer_file(prepared, tmp_path):
 
 def test_tokenizer_larger_than_the_model_is_one_line(prepared, capsys, tmp_path):
     _, out = prepared
-    err = _one_line_error(capsys, ["train", "--model.preset", "tiny", "--data.path", str(out / "tokens.bin"),
-                                   "--data.tokenizer", str(out / "tokenizer.json"), "--log.dir", str(tmp_path)])
+    err = _one_line_error(
+        capsys,
+        [
+            "train",
+            "--model.preset",
+            "tiny",
+            "--data.path",
+            str(out / "tokens.bin"),
+            "--data.tokenizer",
+            str(out / "tokenizer.json"),
+            "--log.dir",
+            str(tmp_path),
+        ],
+    )
     assert "model.vocab" in err and "300" in err
 
 
 def test_generate_refuses_a_tokenizer_larger_than_the_model(prepared, trained, capsys):
     _, out = prepared
     _, ckpt = trained
-    err = _one_line_error(capsys, ["generate", "--checkpoint", str(ckpt), "--prompt", "x",
-                                   "--tokenizer", str(out / "tokenizer.json")])
+    err = _one_line_error(
+        capsys, ["generate", "--checkpoint", str(ckpt), "--prompt", "x", "--tokenizer", str(out / "tokenizer.json")]
+    )
     assert "tokenizer has 300 ids but model.vocab is 256" in err

@@ -1,5 +1,6 @@
 """Meta-device construction: initializers skipped, storage made with torch.empty, and no import
 of torch's compiler stack on the way (it cost every process ~2.5 s at launch)."""
+
 import subprocess
 import sys
 
@@ -37,15 +38,17 @@ def test_on_meta_skips_initializers_and_materialize_keeps_parameters():
 
 
 def test_building_a_model_does_not_import_the_compiler():
-    code = ("import sys, torch\n"
-            "from threefold.config import build_config\n"
-            "from threefold.distributed.grid import Grid, Group, RankLayout\n"
-            "from threefold.distributed.parallelize import build_model\n"
-            "cfg = build_config(None, [('model.preset', 'tiny')])\n"
-            "grid = Grid.alone()\n"
-            "model = build_model(cfg, grid, torch.device('cpu'))\n"
-            "assert all(not p.is_meta for p in model.parameters())\n"
-            "print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)\n")
+    code = (
+        "import sys, torch\n"
+        "from threefold.config import build_config\n"
+        "from threefold.distributed.grid import Grid, Group, RankLayout\n"
+        "from threefold.distributed.parallelize import build_model\n"
+        "cfg = build_config(None, [('model.preset', 'tiny')])\n"
+        "grid = Grid.alone()\n"
+        "model = build_model(cfg, grid, torch.device('cpu'))\n"
+        "assert all(not p.is_meta for p in model.parameters())\n"
+        "print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "False"]

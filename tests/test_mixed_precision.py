@@ -1,22 +1,33 @@
 """Mixed precision through the training loop: bf16 and fp16 runs track the fp32 run, gradient
 reduction in fp32 vs bf16, and an fp16 run that overflows skips, backs off, regrows its loss
 scale and never puts a NaN into the weights (nor loses the scale across a checkpoint)."""
+
 import math
 
 import pytest
 import torch
 
-from harness import run_training, run_training_many, within
 from threefold.checkpoint import open_checkpoint
 
+from harness import run_training, run_training_many, within
+
 STEPS = 12
-SHAPE = {"model.hidden": 64, "model.layers": 2, "model.ffn_hidden": 176, "model.seq_len": 64,
-         "train.global_batch": 8, "train.micro_batch": 2, "train.steps": STEPS, "train.seed": 0,
-         "train.lr": 1e-3, "train.warmup_steps": 4}
+SHAPE = {
+    "model.hidden": 64,
+    "model.layers": 2,
+    "model.ffn_hidden": 176,
+    "model.seq_len": 64,
+    "train.global_batch": 8,
+    "train.micro_batch": 2,
+    "train.steps": STEPS,
+    "train.seed": 0,
+    "train.lr": 1e-3,
+    "train.warmup_steps": 4,
+}
 # Observed worst |loss - fp32 loss| / fp32 loss per step on the 2-core development host, dp 2:
 # bf16 1.9e-4, fp16 (dynamic scale, no overflow) 2.1e-5; the bounds are ten times those, rounded up.
 BOUND = {"bf16": 2e-3, "fp16": 3e-4}
-OVERFLOW = {"train.dtype": "fp16", "train.initial_loss_scale": 2.0 ** 20, "train.loss_scale_window": 2}
+OVERFLOW = {"train.dtype": "fp16", "train.initial_loss_scale": 2.0**20, "train.loss_scale_window": 2}
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +67,10 @@ def test_gradient_reduction_dtype_takes_effect(low_precision_runs, fp32_run):
     runs = low_precision_runs[0]
     bf16, fp32_reduce = [r["loss"] for r in runs["bf16"]], [r["loss"] for r in runs["bf16-reduce-fp32"]]
     assert bf16[0] == fp32_reduce[0] and bf16 != fp32_reduce  # the first loss precedes any update
-    print(f"\nbf16 vs fp32 worst relative loss deviation: reduce bf16 {_worst_relative(runs['bf16'], fp32_run):.2e}, "
-          f"reduce fp32 {_worst_relative(runs['bf16-reduce-fp32'], fp32_run):.2e}")
+    print(
+        f"\nbf16 vs fp32 worst relative loss deviation: reduce bf16 {_worst_relative(runs['bf16'], fp32_run):.2e}, "
+        f"reduce fp32 {_worst_relative(runs['bf16-reduce-fp32'], fp32_run):.2e}"
+    )
 
 
 def test_fp16_overflow_skips_backs_off_and_regrows(low_precision_runs):
@@ -70,7 +83,7 @@ def test_fp16_overflow_skips_backs_off_and_regrows(low_precision_runs):
         assert now == (was / 2 if skip else was) or (not skip and now == 2 * was), (previous, scales, skipped)
     window = OVERFLOW["train.loss_scale_window"]
     regrown = [i for i in range(1, STEPS) if scales[i] == 2 * scales[i - 1]]
-    assert regrown and all(not any(skipped[i - window + 1:i + 1]) for i in regrown), (scales, skipped)
+    assert regrown and all(not any(skipped[i - window + 1 : i + 1]) for i in regrown), (scales, skipped)
     assert run[-1]["steps_skipped"] == sum(skipped) and run[-1]["nonfinite_steps"] == 0
     assert all(r["loss"] is not None and math.isfinite(r["loss"]) for r in run)
     assert run[-1]["loss"] < run[0]["loss"] - 0.2

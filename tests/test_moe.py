@@ -1,4 +1,5 @@
 """Mixture of experts and expert parallelism: routing rules, balance, FLOPs, parity over ep."""
+
 from __future__ import annotations
 
 import math
@@ -9,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import CALM_LR, assert_parity, run_training, run_training_many
 from threefold.config import build_config
 from threefold.errors import ConfigError
 from threefold.model.moe import MoE, route
@@ -17,14 +17,18 @@ from threefold.model.transformer import Transformer
 from threefold.observe.flops import active_params, total_params, train_flops_per_token
 from threefold.validate import validate
 
+from harness import CALM_LR, assert_parity, run_training, run_training_many
+
 
 def moe_cfg(**over):
-    pairs = [("model.num_experts", "4"), ("model.top_k", "2")] + [(k.replace("__", "."), str(v))
-                                                                    for k, v in over.items()]
+    pairs = [("model.num_experts", "4"), ("model.top_k", "2")] + [
+        (k.replace("__", "."), str(v)) for k, v in over.items()
+    ]
     return validate(build_config(None, pairs))
 
 
 # --- routing rules, without processes --------------------------------------------------------
+
 
 def brute_force_keep(expert: torch.Tensor, capacity: int) -> torch.Tensor:
     """GShard's queue: all first choices (in token order), then all second choices, ..."""
@@ -89,9 +93,9 @@ def test_experts_as_one_batched_matmul_equal_per_token_mlps():
     for t in range(flat.shape[0]):
         for j in range(2):
             e = int(top_e[t, j])
-            w1 = layer.experts.w1.weight[e * ffn:(e + 1) * ffn]
-            w3 = layer.experts.w3.weight[e * ffn:(e + 1) * ffn]
-            w2 = layer.experts.w2.weight[e * 32:(e + 1) * 32]
+            w1 = layer.experts.w1.weight[e * ffn : (e + 1) * ffn]
+            w3 = layer.experts.w3.weight[e * ffn : (e + 1) * ffn]
+            w2 = layer.experts.w2.weight[e * 32 : (e + 1) * 32]
             h = F.silu(flat[t] @ w1.t()) * (flat[t] @ w3.t())
             expected[t] += top_p[t, j] * (h @ w2.t())
     assert torch.allclose(out.reshape(-1, 32), expected, atol=1e-5)
@@ -106,13 +110,20 @@ def load_ratio(layer: MoE, x: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("coeff", [1.0, 0.0])
 def test_aux_loss_drives_a_skewed_router_toward_balance(coeff):
-    cfg = moe_cfg(model__hidden=32, model__heads=4, model__kv_heads=4, model__ffn_hidden=32, model__top_k=1,
-                  model__aux_loss_coeff=coeff, model__z_loss_coeff=0).model
+    cfg = moe_cfg(
+        model__hidden=32,
+        model__heads=4,
+        model__kv_heads=4,
+        model__ffn_hidden=32,
+        model__top_k=1,
+        model__aux_loss_coeff=coeff,
+        model__z_loss_coeff=0,
+    ).model
     layer = MoE(cfg)
     gen = torch.Generator().manual_seed(3)
     for p in layer.parameters():
         p.data = torch.randn(p.shape, generator=gen) * 0.1
-    direction = torch.ones(32) / 32 ** 0.5
+    direction = torch.ones(32) / 32**0.5
     x = torch.randn(32, 4, 32, generator=gen) + 2 * direction
     with torch.no_grad():  # skew: every token shares a direction that expert 0's router row favours
         layer.router.weight[0] = 2 * direction
@@ -131,6 +142,7 @@ def test_aux_loss_drives_a_skewed_router_toward_balance(coeff):
 
 
 # --- counting ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch, shared", [("llama", False), ("llama", True), ("gpt2", True)])
 def test_parameter_counts_match_the_model_and_flops_count_active_ones(arch, shared):
@@ -152,11 +164,19 @@ def test_parameter_counts_match_the_model_and_flops_count_active_ones(arch, shar
 
 # --- settings ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("pairs, key, fragment", [
-    ([("model.top_k", "5")], "model.top_k", "more than model.num_experts"),
-    ([("parallel.dp", "4"), ("parallel.ep", "3")], "parallel.ep", "does not divide dp"),
-    ([("model.num_experts", "6"), ("parallel.dp", "4"), ("parallel.ep", "4")], "parallel.ep", "not divisible by ep"),
-])
+
+@pytest.mark.parametrize(
+    "pairs, key, fragment",
+    [
+        ([("model.top_k", "5")], "model.top_k", "more than model.num_experts"),
+        ([("parallel.dp", "4"), ("parallel.ep", "3")], "parallel.ep", "does not divide dp"),
+        (
+            [("model.num_experts", "6"), ("parallel.dp", "4"), ("parallel.ep", "4")],
+            "parallel.ep",
+            "not divisible by ep",
+        ),
+    ],
+)
 def test_invalid_moe_settings_name_the_key(pairs, key, fragment):
     with pytest.raises(ConfigError) as info:
         validate(build_config(None, [("model.num_experts", "4")] + pairs))
@@ -164,8 +184,12 @@ def test_invalid_moe_settings_name_the_key(pairs, key, fragment):
 
 
 def test_cli_refuses_ep_without_experts_in_one_line():
-    out = subprocess.run([sys.executable, "-m", "threefold", "train", "--parallel.dp", "2", "--parallel.ep", "2"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "threefold", "train", "--parallel.dp", "2", "--parallel.ep", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "parallel.ep" in lines[0] and "num_experts" in lines[0]
@@ -174,8 +198,18 @@ def test_cli_refuses_ep_without_experts_in_one_line():
 # --- training, in the loop --------------------------------------------------------------------
 
 STEPS = 20
-MODEL = {"model.num_experts": 4, "model.top_k": 2, "model.seq_len": 32, "model.hidden": 64, "model.ffn_hidden": 96,
-         "train.global_batch": 8, "train.micro_batch": 1, "train.steps": STEPS, "train.seed": 0, "train.lr": CALM_LR}
+MODEL = {
+    "model.num_experts": 4,
+    "model.top_k": 2,
+    "model.seq_len": 32,
+    "model.hidden": 64,
+    "model.ffn_hidden": 96,
+    "train.global_batch": 8,
+    "train.micro_batch": 1,
+    "train.steps": STEPS,
+    "train.seed": 0,
+    "train.lr": CALM_LR,
+}
 
 
 @pytest.fixture(scope="module")
@@ -203,20 +237,29 @@ def ep_runs(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("ep")
     runs = {
         "dp4_ep4": {"parallel.dp": 4, "parallel.ep": 4},
-        "tp2_dp2_ep2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.ep": 2,
-                        "checkpoint.dir": root / "ckpt", "checkpoint.interval": 10},
+        "tp2_dp2_ep2": {
+            "parallel.tp": 2,
+            "parallel.dp": 2,
+            "parallel.ep": 2,
+            "checkpoint.dir": root / "ckpt",
+            "checkpoint.interval": 10,
+        },
         "pp2_dp2_ep2_recompute": {"parallel.pp": 2, "parallel.dp": 2, "parallel.ep": 2, "train.recompute": "full"},
         "dp4_ep2_zero2": {"parallel.dp": 4, "parallel.ep": 2, "parallel.zero": 2},
         "dp4_ep4_zero3": {"parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 3},
-        "cap_tp2_sp_dp2_ep2": {"parallel.tp": 2, "parallel.sp": True, "parallel.dp": 2, "parallel.ep": 2,
-                               "model.capacity_factor": 1.0},
+        "cap_tp2_sp_dp2_ep2": {
+            "parallel.tp": 2,
+            "parallel.sp": True,
+            "parallel.dp": 2,
+            "parallel.ep": 2,
+            "model.capacity_factor": 1.0,
+        },
     }
     out = run_training_many({k: {**MODEL, **v} for k, v in runs.items()}, root, cache_dir, world=4, timeout=900)
     return out, root / "ckpt"
 
 
-@pytest.mark.parametrize("name", ["dp4_ep4", "tp2_dp2_ep2", "pp2_dp2_ep2_recompute",
-                                  "dp4_ep2_zero2", "dp4_ep4_zero3"])
+@pytest.mark.parametrize("name", ["dp4_ep4", "tp2_dp2_ep2", "pp2_dp2_ep2_recompute", "dp4_ep2_zero2", "dp4_ep4_zero3"])
 def test_expert_parallel_matches_single_process(name, ep_runs, ep1_run):
     run = ep_runs[0][name]
     assert_parity(f"moe {name} vs one process loss", run, ep1_run)
@@ -232,8 +275,12 @@ def test_capacity_dropping_is_layout_invariant(ep_runs, capacity_run):
 def test_expert_checkpoint_loads_into_other_expert_layouts(ep_runs, ep1_run, tmp_path, cache_dir):
     """Saved at step 10 by tp2 x dp2 x ep2; resumed by dp4 x ep4 with ZeRO 1, and by one process."""
     step10 = ep_runs[1] / "step_00000010"
-    resumed = run_training_many({"ep4": {**MODEL, "parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 1,
-                                         "checkpoint.resume": step10}}, tmp_path, cache_dir, world=4)["ep4"]
+    resumed = run_training_many(
+        {"ep4": {**MODEL, "parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 1, "checkpoint.resume": step10}},
+        tmp_path,
+        cache_dir,
+        world=4,
+    )["ep4"]
     single = run_training({**MODEL, "checkpoint.resume": step10}, tmp_path / "single", cache_dir)
     for run in (resumed, single):
         assert [r["step"] for r in run] == list(range(11, STEPS + 1))

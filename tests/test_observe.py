@@ -1,4 +1,5 @@
 """Unit tests for threefold.observe: FLOPs, parameter counts, device peak, metrics files."""
+
 from __future__ import annotations
 
 import json
@@ -19,27 +20,38 @@ from threefold.observe import (
     hardware_info,
     megatron_flops_per_iteration,
     mfu,
+    peak,
     peak_memory_bytes,
     total_params,
     train_flops_per_token,
     write_run_json,
 )
-from threefold.observe import peak
 
 
 def llama(**kw):
-    base = dict(arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128,
-                vocab=100, seq_len=16, tie_embeddings=False)
+    base = dict(
+        arch="llama",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=128,
+        vocab=100,
+        seq_len=16,
+        tie_embeddings=False,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
 def gpt2(**kw):
-    base = dict(arch="gpt2", hidden=8, layers=1, heads=2, kv_heads=2, ffn_hidden=32,
-                vocab=10, seq_len=4, tie_embeddings=True)
+    base = dict(
+        arch="gpt2", hidden=8, layers=1, heads=2, kv_heads=2, ffn_hidden=32, vocab=10, seq_len=4, tie_embeddings=True
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
 # ---------------------------------------------------------------- FLOPs
+
 
 def test_llama_flops_by_hand():
     # hd = 64/4 = 16. Weights per layer: q 64*64 = 4096, k+v 2*64*(2*16) = 4096,
@@ -73,13 +85,13 @@ def test_gqa_does_not_change_attention_score_flops():
 
 def test_matches_megatron_formula_with_full_recompute():
     # Narayanan et al. 2021 eq. 3: GPT, 4h MLP, full attention, full recomputation.
-    b, s, l, h, v = 4, 128, 3, 256, 1000
-    cfg = gpt2(hidden=h, layers=l, heads=8, kv_heads=8, ffn_hidden=4 * h, vocab=v, seq_len=s)
+    b, s, layers, h, v = 4, 128, 3, 256, 1000
+    cfg = gpt2(hidden=h, layers=layers, heads=8, kv_heads=8, ffn_hidden=4 * h, vocab=v, seq_len=s)
     ours = hardware_flops_per_token(cfg, causal=False, recompute="full") * b * s
-    ref = megatron_flops_per_iteration(b, s, l, h, v)
+    ref = megatron_flops_per_iteration(b, s, layers, h, v)
     assert ours == pytest.approx(ref, rel=1e-9)
     # Spelled out: 4 passes of (24h^2 + 4sh) per layer-token, 3 passes of 2hV for logits.
-    spelled = b * s * (4 * l * (24 * h * h + 4 * s * h) + 3 * 2 * h * v)
+    spelled = b * s * (4 * layers * (24 * h * h + 4 * s * h) + 3 * 2 * h * v)
     assert ref == pytest.approx(spelled, rel=1e-12)
 
 
@@ -99,6 +111,7 @@ def test_bad_arch_and_recompute_rejected():
 
 
 # ---------------------------------------------------------------- parameter counts
+
 
 def test_llama_params_by_hand():
     # embed 100*64 = 6400, head 6400 (untied), per layer 36864 + 2 RMSNorm * 64 = 36992,
@@ -123,24 +136,34 @@ def _count(modules) -> int:
 def test_params_match_hand_built_modules():
     c = llama()
     hd = c.hidden // c.heads
-    layer = [nn.RMSNorm(c.hidden), nn.Linear(c.hidden, c.heads * hd, bias=False),
-             nn.Linear(c.hidden, 2 * c.kv_heads * hd, bias=False),
-             nn.Linear(c.heads * hd, c.hidden, bias=False), nn.RMSNorm(c.hidden),
-             nn.Linear(c.hidden, 2 * c.ffn_hidden, bias=False),
-             nn.Linear(c.ffn_hidden, c.hidden, bias=False)]
-    rest = [nn.Embedding(c.vocab, c.hidden), nn.RMSNorm(c.hidden),
-            nn.Linear(c.hidden, c.vocab, bias=False)]
+    layer = [
+        nn.RMSNorm(c.hidden),
+        nn.Linear(c.hidden, c.heads * hd, bias=False),
+        nn.Linear(c.hidden, 2 * c.kv_heads * hd, bias=False),
+        nn.Linear(c.heads * hd, c.hidden, bias=False),
+        nn.RMSNorm(c.hidden),
+        nn.Linear(c.hidden, 2 * c.ffn_hidden, bias=False),
+        nn.Linear(c.ffn_hidden, c.hidden, bias=False),
+    ]
+    rest = [nn.Embedding(c.vocab, c.hidden), nn.RMSNorm(c.hidden), nn.Linear(c.hidden, c.vocab, bias=False)]
     assert total_params(c) == c.layers * _count(layer) + _count(rest)
 
     g = gpt2()
     h = g.hidden
-    layer = [nn.LayerNorm(h), nn.Linear(h, 3 * h), nn.Linear(h, h),
-             nn.LayerNorm(h), nn.Linear(h, g.ffn_hidden), nn.Linear(g.ffn_hidden, h)]
+    layer = [
+        nn.LayerNorm(h),
+        nn.Linear(h, 3 * h),
+        nn.Linear(h, h),
+        nn.LayerNorm(h),
+        nn.Linear(h, g.ffn_hidden),
+        nn.Linear(g.ffn_hidden, h),
+    ]
     rest = [nn.Embedding(g.vocab, h), nn.Embedding(g.seq_len, h), nn.LayerNorm(h)]
     assert total_params(g) == g.layers * _count(layer) + _count(rest)
 
 
 # ---------------------------------------------------------------- device peak
+
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
@@ -151,20 +174,23 @@ def _as_cuda(monkeypatch, name):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: name)
 
 
-@pytest.mark.parametrize("name, dtype, expected", [
-    ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12),
-    ("NVIDIA A100 80GB PCIe", torch.float16, 312e12),
-    ("NVIDIA A100-SXM4-40GB", torch.float32, 19.5e12),
-    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989e12),
-    ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),
-    ("NVIDIA H200", torch.bfloat16, 989e12),
-    ("NVIDIA H800", torch.bfloat16, 989e12),
-    ("NVIDIA A10", torch.bfloat16, 125e12),
-    ("NVIDIA L4", torch.bfloat16, 121e12),
-    ("NVIDIA L40S", torch.bfloat16, 362e12),
-    ("Tesla V100-SXM2-16GB", torch.float16, 125e12),
-    ("NVIDIA GeForce RTX 4090", torch.bfloat16, 165.2e12),
-])
+@pytest.mark.parametrize(
+    "name, dtype, expected",
+    [
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12),
+        ("NVIDIA A100 80GB PCIe", torch.float16, 312e12),
+        ("NVIDIA A100-SXM4-40GB", torch.float32, 19.5e12),
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989e12),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),
+        ("NVIDIA H200", torch.bfloat16, 989e12),
+        ("NVIDIA H800", torch.bfloat16, 989e12),
+        ("NVIDIA A10", torch.bfloat16, 125e12),
+        ("NVIDIA L4", torch.bfloat16, 121e12),
+        ("NVIDIA L40S", torch.bfloat16, 362e12),
+        ("Tesla V100-SXM2-16GB", torch.float16, 125e12),
+        ("NVIDIA GeForce RTX 4090", torch.bfloat16, 165.2e12),
+    ],
+)
 def test_cuda_peak_table(monkeypatch, fresh_warnings, name, dtype, expected):
     _as_cuda(monkeypatch, name)
     with warnings.catch_warnings():
@@ -178,12 +204,15 @@ def test_fp32_uses_tf32_peak_when_allowed(monkeypatch, fresh_warnings):
     assert device_peak_flops(torch.device("cuda"), torch.float32) == pytest.approx(156e12)
 
 
-@pytest.mark.parametrize("name, dtype", [
-    ("NVIDIA Imaginary 9000", torch.bfloat16),
-    ("NVIDIA A10G", torch.bfloat16),  # not the A10 and not A100
-    ("NVIDIA H200 NVL", torch.bfloat16),  # known variant without a trusted number
-    ("Tesla V100-SXM2-16GB", torch.bfloat16),  # no bf16 tensor cores
-])
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("NVIDIA Imaginary 9000", torch.bfloat16),
+        ("NVIDIA A10G", torch.bfloat16),  # not the A10 and not A100
+        ("NVIDIA H200 NVL", torch.bfloat16),  # known variant without a trusted number
+        ("Tesla V100-SXM2-16GB", torch.bfloat16),  # no bf16 tensor cores
+    ],
+)
 def test_unknown_peak_is_none_with_one_warning(monkeypatch, fresh_warnings, name, dtype):
     _as_cuda(monkeypatch, name)
     with pytest.warns(UserWarning, match="MFU will be null"):
@@ -234,6 +263,7 @@ def test_mfu():
 
 # ---------------------------------------------------------------- metrics files
 
+
 def test_metrics_writer_json_lines(tmp_path):
     w = MetricsWriter(tmp_path / "logs", enabled=True)
     w.write({"step": 1, "loss": 2.5, "mfu": None, "grad_norm": torch.tensor(0.25)})
@@ -243,9 +273,11 @@ def test_metrics_writer_json_lines(tmp_path):
         w.write({"step": 3, "loss": 2.0})
     lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
-    assert rows == [{"step": 1, "loss": 2.5, "mfu": None, "grad_norm": 0.25},
-                    {"step": 2, "loss": None, "lr": 1e-4},
-                    {"step": 3, "loss": 2.0}]
+    assert rows == [
+        {"step": 1, "loss": 2.5, "mfu": None, "grad_norm": 0.25},
+        {"step": 2, "loss": None, "lr": 1e-4},
+        {"step": 3, "loss": 2.0},
+    ]
 
 
 def test_metrics_writer_disabled_writes_nothing(tmp_path):
@@ -275,8 +307,11 @@ def test_hardware_info_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     info = hardware_info(torch.device("cuda", 0))
-    assert (info["device_name"], info["device_count"], info["device_memory_bytes"]) == \
-        ("NVIDIA H100 80GB HBM3", 8, 80 * 2**30)
+    assert (info["device_name"], info["device_count"], info["device_memory_bytes"]) == (
+        "NVIDIA H100 80GB HBM3",
+        8,
+        80 * 2**30,
+    )
 
 
 def test_peak_memory_cpu_is_process_rss():

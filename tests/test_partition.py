@@ -19,8 +19,11 @@ def test_result_minimises_the_slowest_stage_exhaustively():
     import itertools
 
     layers, stages, first, last = 9, 3, 0.5, 2.5
-    best = min(max(n * 1.0 + (first if i == 0 else 0) + (last if i == stages - 1 else 0) for i, n in enumerate(c))
-               for c in itertools.product(range(1, layers), repeat=stages) if sum(c) == layers)
+    best = min(
+        max(n * 1.0 + (first if i == 0 else 0) + (last if i == stages - 1 else 0) for i, n in enumerate(c))
+        for c in itertools.product(range(1, layers), repeat=stages)
+        if sum(c) == layers
+    )
     got = balanced_partition(layers, stages, 1.0, first, last)
     cost = max(n + (first if i == 0 else 0) + (last if i == stages - 1 else 0) for i, n in enumerate(got))
     assert sum(got) == layers and cost == best

@@ -1,12 +1,14 @@
 """Pipeline parallelism end to end: parity with one stage for every schedule, bounded
 activation memory under 1f1b, and no hang when a neighbour dies."""
+
 import time
 
 import pytest
 import torch
 
-from harness import CALM_LR, assert_parity, run_ranks, run_training, run_training_many
 from threefold.errors import ConfigError
+
+from harness import CALM_LR, assert_parity, run_ranks, run_training, run_training_many
 
 STEPS = 20
 BASE = {"train.steps": STEPS, "train.seed": 0, "model.layers": 4, "train.lr": CALM_LR}
@@ -17,8 +19,10 @@ GPT2 = {"model.arch": "gpt2", "model.kv_heads": 4, "model.tie_embeddings": "true
 def references(tmp_path_factory, cache_dir) -> dict:
     root = tmp_path_factory.mktemp("pp1")
     gpt2 = GPT2
-    return {"llama": run_training(BASE, root / "llama", cache_dir),
-            "gpt2": run_training({**BASE, **gpt2}, root / "gpt2", cache_dir)}
+    return {
+        "llama": run_training(BASE, root / "llama", cache_dir),
+        "gpt2": run_training({**BASE, **gpt2}, root / "gpt2", cache_dir),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +34,9 @@ def two_stage_runs(tmp_path_factory, cache_dir) -> dict:
         "interleaved": {"parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "interleaved"},
         "gpt2-tied": {"parallel.pp": 2, **GPT2},
     }
-    return run_training_many({k: {**BASE, **v} for k, v in runs.items()}, tmp_path_factory.mktemp("pp2"),
-                             cache_dir, world=2)
+    return run_training_many(
+        {k: {**BASE, **v} for k, v in runs.items()}, tmp_path_factory.mktemp("pp2"), cache_dir, world=2
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +45,19 @@ def four_rank_runs(tmp_path_factory, cache_dir) -> dict:
         "pp4-1f1b": {"parallel.pp": 4},
         "pp4-zb": {"parallel.pp": 4, "parallel.schedule": "zb"},
         "pp2-tp2-sp": {"parallel.pp": 2, "parallel.tp": 2, "parallel.sp": "true", "train.recompute": "full"},
-        "pp2-dp2-interleaved": {"parallel.pp": 2, "parallel.dp": 2, "parallel.vpp": 2,
-                                "parallel.schedule": "interleaved"},
+        "pp2-dp2-interleaved": {
+            "parallel.pp": 2,
+            "parallel.dp": 2,
+            "parallel.vpp": 2,
+            "parallel.schedule": "interleaved",
+        },
         "pp2-dp2-zero1-zb": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 1, "parallel.schedule": "zb"},
         "pp2-dp2-zero2-zb": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 2, "parallel.schedule": "zb"},
         "pp2-dp2-zero3-zb": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "parallel.schedule": "zb"},
     }
-    return run_training_many({k: {**BASE, **v} for k, v in runs.items()}, tmp_path_factory.mktemp("pp4"),
-                             cache_dir, world=4)
+    return run_training_many(
+        {k: {**BASE, **v} for k, v in runs.items()}, tmp_path_factory.mktemp("pp4"), cache_dir, world=4
+    )
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb", "interleaved", "gpt2-tied"])
@@ -56,8 +66,18 @@ def test_two_stages_match_one(name, two_stage_runs, references):
     assert_parity(f"pp2 {name} vs pp1 loss", ref, two_stage_runs[name])
 
 
-@pytest.mark.parametrize("name", ["pp4-1f1b", "pp4-zb", "pp2-tp2-sp", "pp2-dp2-interleaved", "pp2-dp2-zero1-zb",
-                                  "pp2-dp2-zero2-zb", "pp2-dp2-zero3-zb"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "pp4-1f1b",
+        "pp4-zb",
+        "pp2-tp2-sp",
+        "pp2-dp2-interleaved",
+        "pp2-dp2-zero1-zb",
+        "pp2-dp2-zero2-zb",
+        "pp2-dp2-zero3-zb",
+    ],
+)
 def test_four_ranks_match_one(name, four_rank_runs, references):
     assert_parity(f"{name} vs one process loss", references["llama"], four_rank_runs[name])
 
@@ -78,12 +98,24 @@ def _stage0_peak(schedule: str, m: int) -> int:
     from threefold.validate import validate
 
     init_distributed(torch.device("cpu"), timeout_s=120)
-    cfg = validate(build_config(None, [("parallel.pp", "2"), ("parallel.schedule", schedule),
-                                       ("train.micro_batch", "1"), ("train.global_batch", str(m)),
-                                       ("model.seq_len", "64")]), 2)
+    cfg = validate(
+        build_config(
+            None,
+            [
+                ("parallel.pp", "2"),
+                ("parallel.schedule", schedule),
+                ("train.micro_batch", "1"),
+                ("train.global_batch", str(m)),
+                ("model.seq_len", "64"),
+            ],
+        ),
+        2,
+    )
     grid = Grid.build(RankLayout(pp=2))
     device = torch.device("cpu")
-    chunks, executor = build_stage(cfg, grid, device, lambda ids, f, l: build_model(cfg, grid, device, ids, f, l))
+    chunks, executor = build_stage(
+        cfg, grid, device, lambda ids, first, last: build_model(cfg, grid, device, ids, first, last)
+    )
     batches = [(torch.randint(0, 256, (1, 64)), torch.randint(0, 256, (1, 64))) for _ in range(m)]
     with LiveActivationMeter(torch.nn.ModuleList(chunks)) as meter:
         executor.run(batches, loss_divisor=float(m * 64))
@@ -113,8 +145,13 @@ def _die_or_wait(timeout_s: float):
     init_distributed(torch.device("cpu"), timeout_s=timeout_s)
     grid = Grid.build(RankLayout(pp=2))
     r = grid.pp_rank
-    plan = StagePlan([SleepStage(0.001, last=r == 1)], [r == 0], [r == 1],
-                     WireFormat((4, 4), torch.float32, torch.device("cpu")), grid.pp)
+    plan = StagePlan(
+        [SleepStage(0.001, last=r == 1)],
+        [r == 0],
+        [r == 1],
+        WireFormat((4, 4), torch.float32, torch.device("cpu")),
+        grid.pp,
+    )
     executor = PipelineExecutor(plan, build_schedule("1f1b", 2, 4)[r])
     micro = [(torch.ones(4, 4), torch.zeros(4, 4))] * 4
     executor.run(micro, 1.0)
@@ -139,15 +176,25 @@ def test_dead_neighbour_fails_the_stage_within_the_timeout():
     assert waited < timeout_s + 5.0, survivor  # the timeout plus teardown, never the harness's 90 s
 
 
-@pytest.mark.parametrize("pairs, key", [
-    ({"parallel.pp": 8}, "parallel.pp"),
-    ({"parallel.pp": 2, "parallel.vpp": 4, "parallel.schedule": "interleaved"}, "parallel.vpp"),
-    ({"parallel.pp": 2, "parallel.vpp": 2}, "parallel.vpp"),
-    ({"parallel.pp": 4, "parallel.vpp": 2, "parallel.schedule": "interleaved", "parallel.microbatches": 2,
-      "model.layers": 8},
-     "parallel.microbatches"),
-    ({"parallel.pp": 2, "parallel.stage_layers": "1,2"}, "parallel.stage_layers"),
-])
+@pytest.mark.parametrize(
+    "pairs, key",
+    [
+        ({"parallel.pp": 8}, "parallel.pp"),
+        ({"parallel.pp": 2, "parallel.vpp": 4, "parallel.schedule": "interleaved"}, "parallel.vpp"),
+        ({"parallel.pp": 2, "parallel.vpp": 2}, "parallel.vpp"),
+        (
+            {
+                "parallel.pp": 4,
+                "parallel.vpp": 2,
+                "parallel.schedule": "interleaved",
+                "parallel.microbatches": 2,
+                "model.layers": 8,
+            },
+            "parallel.microbatches",
+        ),
+        ({"parallel.pp": 2, "parallel.stage_layers": "1,2"}, "parallel.stage_layers"),
+    ],
+)
 def test_invalid_pipeline_settings_are_one_line(pairs, key, tmp_path, cache_dir):
     from harness import resolved_config
 
@@ -183,8 +230,7 @@ def _coalesced_batches():
     for coalesce in (False, True):
         comm.dist.batch_isend_irecv = (lambda ops: [OneRequest(real(ops))]) if coalesce else real
         stage = SleepStage(0.002 if r == 0 else 0.0, last=r == 1)  # a slow sender exposes a missing wait
-        plan = StagePlan([stage], [r == 0], [r == 1], WireFormat((4, 4), torch.float32, torch.device("cpu")),
-                         grid.pp)
+        plan = StagePlan([stage], [r == 0], [r == 1], WireFormat((4, 4), torch.float32, torch.device("cpu")), grid.pp)
         micro = [(torch.full((4, 4), float(i + 1)), torch.zeros(4, 4)) for i in range(4)]
         loss, _ = PipelineExecutor(plan, build_schedule("1f1b", 2, 4)[r]).run(micro, 1.0)
         results.append(loss.item())  # the last stage's loss is computed from received activations

@@ -1,15 +1,18 @@
 """The planner on mixture-of-experts models: expert memory over ep, the all-to-all's volume,
 expert parallelism chosen when memory requires it, and its rejections."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from test_planner import GiB, _cli, cpu_cluster, model
 from threefold.config import build_config
 from threefold.errors import ConfigError
 from threefold.planner import Layout, build_cluster, device_memory, model_shape, search, step_terms, structural_reason
+
+from test_planner import GiB, cpu_cluster, model
+from test_planner_cli import _cli
 
 OLMOE = [("model.preset", "olmoe-1b-7b")]  # h 2048, 16 layers, 16 heads, ffn 1024, V 50304, 64 experts top-8
 
@@ -49,8 +52,9 @@ def test_expert_parallelism_divides_expert_memory_by_ep():
     for ep, mem in by_ep.items():
         assert mem.expert_state == pytest.approx(by_ep[1].expert_state / ep)
         dense_state = mem.params + mem.grads + mem.optimizer - mem.expert_state
-        assert dense_state == pytest.approx(by_ep[1].params + by_ep[1].grads + by_ep[1].optimizer
-                                            - by_ep[1].expert_state)
+        assert dense_state == pytest.approx(
+            by_ep[1].params + by_ep[1].grads + by_ep[1].optimizer - by_ep[1].expert_state
+        )
         assert mem.activations == by_ep[1].activations
     # Under ZeRO-1 the experts' optimizer state is already spread over tp * dp ranks in total:
     # ep only shrinks their parameters and gradients.
@@ -78,12 +82,14 @@ def test_moe_step_terms_carry_the_all_to_all_volume():
     # TP without SP: attention's 2 all-reduces and the routed path's 2 all-gathers per block, + 2.
     x, ring = s * h * 2, 1 / 2
     assert terms.categories["tp_comm"]["intra_bw_gbps"] == pytest.approx(
-        m * (L * (2 * 2 * ring * x + 2 * ring * x) + 2 * 2 * ring * x))
+        m * (L * (2 * 2 * ring * x + 2 * ring * x) + 2 * 2 * ring * x)
+    )
     # Gradients: dense over dp=4, the experts (E/ep per rank) over expert_dp = 2 * 4 / 2 = 4.
     dense, experts, embed, head = _olmoe_counts()
     dense_numel, expert_numel = (L * dense + embed + head) / 2, L * experts / 2
     assert terms.categories["dp_comm"]["intra_bw_gbps"] == pytest.approx(
-        2 * 3 / 4 * dense_numel * 2 + 2 * 3 / 4 * expert_numel * 2)
+        2 * 3 / 4 * dense_numel * 2 + 2 * 3 / 4 * expert_numel * 2
+    )
     # ep = 1: no all-to-all. Across nodes (tp 4 x ep 4 > 8 per node): the share bound for the
     # other node, (ep - 2 local) / ep, over the inter-node link.
     assert not step_terms(shape, node, Layout(tp=2, dp=4, ep=1, mbs=1), B).categories["ep_comm"]
@@ -115,7 +121,7 @@ def test_collective_calls_are_counted_once_per_call():
 
 def test_processes_sharing_cores_get_a_share_to_the_exponent():
     c = cpu_cluster(devices_per_node=8, host_cores=2, core_share_exponent=1.3)
-    assert c.core_share == pytest.approx(0.25 ** 1.3) and c.peak_flops == pytest.approx(0.05e12 * 0.25 ** 1.3)
+    assert c.core_share == pytest.approx(0.25**1.3) and c.peak_flops == pytest.approx(0.05e12 * 0.25**1.3)
     assert cpu_cluster(devices_per_node=2, host_cores=2).core_share == 1.0
     assert build_cluster({"device": "cpu", "peak_tflops": 0.05}).core_share_exponent == 1.3  # the profile's
     with pytest.raises(ConfigError, match="core_share_exponent"):
@@ -147,10 +153,13 @@ def test_expert_parallel_reasons():
     moe = model(OLMOE)
     world = 8
     assert structural_reason(dense, Layout(dp=8, ep=2), 64, 8, False, world) == (
-        "ep", "ep=2: the model has no experts to place, so expert parallelism must be 1.")
+        "ep",
+        "ep=2: the model has no experts to place, so expert parallelism must be 1.",
+    )
     kind, why = structural_reason(moe, Layout(dp=6, ep=3), 48, 8, False, world)
-    assert kind == "ep" and why == ("ep=3 cannot split the model's 64 experts evenly: each expert-parallel rank "
-                                    "holds an equal share.")
+    assert kind == "ep" and why == (
+        "ep=3 cannot split the model's 64 experts evenly: each expert-parallel rank holds an equal share."
+    )
     kind, why = structural_reason(moe, Layout(dp=2, ep=4), 64, 8, False, world)
     assert why == "ep=4 does not divide dp=2: expert-parallel ranks are carved out of the data-parallel ones."
     assert structural_reason(moe, Layout(dp=8, ep=8), 64, 8, False, world) is None
@@ -158,15 +167,31 @@ def test_expert_parallel_reasons():
     cl = build_cluster({"device": "h100", "nodes": 1})
     plan = search(model_shape(dense), cl, 64, pins={"ep": 2, "tp": 4, "zero": 1, "recompute": "selective"})
     assert plan.ranked and all(p.layout.ep == 1 for p in plan.ranked)
-    assert plan.rejected["ep"].best() == [("ep=2", "ep=2: the model has no experts to place, so expert "
-                                           "parallelism must be 1.")]
+    assert plan.rejected["ep"].best() == [
+        ("ep=2", "ep=2: the model has no experts to place, so expert parallelism must be 1.")
+    ]
 
 
 def test_moe_emit_config_writes_ep(capsys, tmp_path):
     path = tmp_path / "moe.toml"
-    code, out, err = _cli(capsys, "--model.preset", "olmoe-1b-7b", "--cluster.device", "a100-40gb",
-                          "--train.global_batch", "64", "--parallel.tp", "1", "--parallel.pp", "1",
-                          "--parallel.zero", "1", "--json", "--emit-config", str(path))
+    code, out, err = _cli(
+        capsys,
+        "--model.preset",
+        "olmoe-1b-7b",
+        "--cluster.device",
+        "a100-40gb",
+        "--train.global_batch",
+        "64",
+        "--parallel.tp",
+        "1",
+        "--parallel.pp",
+        "1",
+        "--parallel.zero",
+        "1",
+        "--json",
+        "--emit-config",
+        str(path),
+    )
     assert code == 0, err
     doc = json.loads(out)
     best = doc["layouts"][0]
@@ -176,6 +201,5 @@ def test_moe_emit_config_writes_ep(capsys, tmp_path):
     assert cfg.parallel.ep == best["ep"] and (cfg.model.num_experts, cfg.model.top_k) == (64, 8)
     assert "ep = " in path.read_text() and "num_experts = 64" in path.read_text()
     # A layout breaking an ep rule is one line.
-    code, _, err = _cli(capsys, "--model.preset", "olmoe-1b-7b", "--train.global_batch", "64",
-                        "--layout", "dp=8,ep=3")
+    code, _, err = _cli(capsys, "--model.preset", "olmoe-1b-7b", "--train.global_batch", "64", "--layout", "dp=8,ep=3")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "64 experts" in err

@@ -1,5 +1,6 @@
 """Activation recomputation (model/recompute.py) in one process: what it wraps, that it
 reproduces dropout exactly, and the activation memory it leaves, against the formula."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ from threefold.model.layers import rope_tables
 from threefold.model.recompute import apply_recompute
 from threefold.model.transformer import Transformer
 from threefold.observe.activations import SavedTensorMeter, layer_activation_elements
+
 from tp_checks import model_config, reference_grid
 
 
@@ -55,6 +57,7 @@ def test_saved_activations_match_the_formula(attention, mode):
         with SavedTensorMeter(model, exclude=list(tables)) as meter:
             loss = model(tokens, tokens)
         loss.backward()
-    want = 4 * layer_activation_elements(m.seq_len, 2, m.hidden, m.heads, m.kv_heads, m.ffn_hidden,
-                                         recompute=mode, attention=attention)
+    want = 4 * layer_activation_elements(
+        m.seq_len, 2, m.hidden, m.heads, m.kv_heads, m.ffn_hidden, recompute=mode, attention=attention
+    )
     assert meter.per_layer() == pytest.approx(want, rel=1e-9)

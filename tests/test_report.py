@@ -1,4 +1,5 @@
 """Spans, traces and reports on real multi-process CPU runs (tiny model, few steps)."""
+
 from __future__ import annotations
 
 import json
@@ -6,7 +7,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from harness import run_ranks, run_training
 
 from threefold.cli import main
 from threefold.distributed.grid import RankLayout
@@ -17,6 +17,8 @@ from threefold.observe.spans import CATEGORIES
 from threefold.observe.summary import summarize
 from threefold.observe.trace import check_trace, gantt_rows
 
+from harness import run_ranks, run_training
+
 STEPS = 3
 BASE = {"train.steps": STEPS, "model.preset": "tiny", "log.spans": "true", "train.warmup_steps": 1}
 
@@ -25,8 +27,20 @@ BASE = {"train.steps": STEPS, "model.preset": "tiny", "log.spans": "true", "trai
 def run3d(tmp_path_factory, cache_dir):
     """tp2 x pp2 x dp2 (8 processes), 1F1B over 4 micro-batches, step 3 traced."""
     path = tmp_path_factory.mktemp("tp2pp2dp2")
-    metrics = run_training({**BASE, "parallel.tp": 2, "parallel.pp": 2, "parallel.dp": 2, "parallel.microbatches": 4,
-                            "train.global_batch": 16, "log.trace_steps": "3"}, path, cache_dir, timeout=400)
+    metrics = run_training(
+        {
+            **BASE,
+            "parallel.tp": 2,
+            "parallel.pp": 2,
+            "parallel.dp": 2,
+            "parallel.microbatches": 4,
+            "train.global_batch": 16,
+            "log.trace_steps": "3",
+        },
+        path,
+        cache_dir,
+        timeout=400,
+    )
     return path, metrics
 
 
@@ -102,8 +116,9 @@ def sleep_pipeline_runs(root: str, runs: dict, m: int, forward_s: float, steps: 
         log = SimpleNamespace(spans=True, trace_steps="", dir=str(Path(root) / name))
         last = [c * p + r == p * v - 1 for c in range(v)]
         chunks = [SleepStage(forward_s / v, last=last[c]) for c in range(v)]
-        plan = StagePlan(chunks, [c * p + r == 0 for c in range(v)], last, WireFormat((4, 4), torch.float32, cpu),
-                         grid.pp)
+        plan = StagePlan(
+            chunks, [c * p + r == 0 for c in range(v)], last, WireFormat((4, 4), torch.float32, cpu), grid.pp
+        )
         executor = PipelineExecutor(plan, build_schedule(schedule, p, m, v)[r])
         observer = StepObserver(log, grid, cpu, logger)
         metrics = MetricsWriter(log.dir, enabled=logger, append=False)
@@ -119,8 +134,14 @@ def sleep_pipeline_runs(root: str, runs: dict, m: int, forward_s: float, steps: 
             all_reduce_max(loss.reshape(1), grid.pp)
             step_time = time.perf_counter() - t0
             observer.phase("other")
-            record = {"step": step + 1, "loss": float(loss), "step_time_s": step_time,
-                      "tokens_per_s": m / step_time, "mfu": None, "pp_bubble_theory": bubble_theory(schedule, p, m, v)}
+            record = {
+                "step": step + 1,
+                "loss": float(loss),
+                "step_time_s": step_time,
+                "tokens_per_s": m / step_time,
+                "mfu": None,
+                "pp_bubble_theory": bubble_theory(schedule, p, m, v),
+            }
             record.update(observer.end_step())
             metrics.write(record)
         metrics.close()
@@ -131,8 +152,16 @@ def sleep_pipeline_runs(root: str, runs: dict, m: int, forward_s: float, steps: 
 def test_compare_names_the_bubble_change_between_1f1b_and_interleaved(tmp_path, capsys):
     # Two micro-batches on two stages: the bubble is a third of the step under 1F1B, a fifth
     # interleaved.
-    run_ranks(sleep_pipeline_runs, 2, str(tmp_path), {"onefoneb": ("1f1b", 1), "interleaved": ("interleaved", 2)},
-              2, 0.03, 4, timeout=120)
+    run_ranks(
+        sleep_pipeline_runs,
+        2,
+        str(tmp_path),
+        {"onefoneb": ("1f1b", 1), "interleaved": ("interleaved", 2)},
+        2,
+        0.03,
+        4,
+        timeout=120,
+    )
     a, b = load_run(tmp_path / "onefoneb"), load_run(tmp_path / "interleaved")
     sa, sb = summarize(a), summarize(b)
     assert sa["bubble_measured"] == pytest.approx(1 / 3, abs=0.08)

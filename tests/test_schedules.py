@@ -3,6 +3,7 @@
 Everything here runs without processes: schedules are lists of actions and the simulator
 executes them with unit costs (F = 1, B = 2; zb: F = B = W = 1).
 """
+
 from dataclasses import replace
 
 import pytest
@@ -28,7 +29,7 @@ ZB_COSTS = {"f": 1, "b": 1, "w": 1}
 def valid_settings(name, p):
     """Every valid (m, v) with m in 1..16 and v in 2..4 for interleaved."""
     for m in range(1, 17):
-        for v in ((2, 3, 4) if name == "interleaved" else (1,)):
+        for v in (2, 3, 4) if name == "interleaved" else (1,):
             if name == "interleaved" and (p < 2 or m % p):
                 continue
             yield m, v
@@ -56,8 +57,10 @@ def test_bubble_matches_theory(name, p):
 
 
 def test_bubble_numbers_for_p4_m8():
-    bubbles = {name: simulate(build_schedule(name, 4, 8, 2 if name == "interleaved" else 1), **costs(name)).bubble
-               for name in SCHEDULES}
+    bubbles = {
+        name: simulate(build_schedule(name, 4, 8, 2 if name == "interleaved" else 1), **costs(name)).bubble
+        for name in SCHEDULES
+    }
     assert bubbles["gpipe"] == pytest.approx(3 / 11)
     assert bubbles["1f1b"] == pytest.approx(3 / 11)
     assert bubbles["interleaved"] == pytest.approx(3 / 19)  # (1/v)(p-1)/m = 3/16 of the ideal time
@@ -120,17 +123,20 @@ def test_any_costs_and_latency_still_run():
         assert base.makespan < slow.makespan <= strict.makespan
 
 
-@pytest.mark.parametrize("name, p, m, v, key, words", [
-    ("interleaved", 4, 6, 2, "parallel.microbatches", "multiple of pp=4"),
-    ("interleaved", 4, 2, 2, "parallel.microbatches", "multiple of pp=4"),
-    ("interleaved", 4, 8, 1, "parallel.vpp", "needs vpp >= 2"),
-    ("interleaved", 1, 4, 2, "parallel.pp", "needs pp >= 2"),
-    ("1f1b", 4, 8, 2, "parallel.vpp", "needs schedule=interleaved"),
-    ("zb", 4, 8, 3, "parallel.vpp", "needs schedule=interleaved"),
-    ("gpipe", 0, 8, 1, "parallel.pp", "positive integer"),
-    ("1f1b", 2, 0, 1, "parallel.microbatches", "positive integer"),
-    ("pipedream", 2, 4, 1, "parallel.schedule", "gpipe, 1f1b, interleaved, zb"),
-])
+@pytest.mark.parametrize(
+    "name, p, m, v, key, words",
+    [
+        ("interleaved", 4, 6, 2, "parallel.microbatches", "multiple of pp=4"),
+        ("interleaved", 4, 2, 2, "parallel.microbatches", "multiple of pp=4"),
+        ("interleaved", 4, 8, 1, "parallel.vpp", "needs vpp >= 2"),
+        ("interleaved", 1, 4, 2, "parallel.pp", "needs pp >= 2"),
+        ("1f1b", 4, 8, 2, "parallel.vpp", "needs schedule=interleaved"),
+        ("zb", 4, 8, 3, "parallel.vpp", "needs schedule=interleaved"),
+        ("gpipe", 0, 8, 1, "parallel.pp", "positive integer"),
+        ("1f1b", 2, 0, 1, "parallel.microbatches", "positive integer"),
+        ("pipedream", 2, 4, 1, "parallel.schedule", "gpipe, 1f1b, interleaved, zb"),
+    ],
+)
 def test_invalid_settings_are_refused_in_one_line(name, p, m, v, key, words):
     with pytest.raises(ValueError) as info:
         build_schedule(name, p, m, v)
@@ -171,6 +177,7 @@ def test_group_batches_splits_at_compute():
 
 
 # ------------------------------------------------------------------ check_schedule catches faults
+
 
 def test_check_catches_a_missing_backward():
     acts = build_schedule("1f1b", 2, 2)
@@ -214,8 +221,7 @@ def test_check_catches_an_order_only_tags_could_fix():
     # inside a batch keeps FIFO per direction but breaks an untagged transport (NCCL).
     acts = build_schedule("interleaved", 2, 4, 2)
     steps = group_batches(acts[0])
-    batch = next(s for s in steps if isinstance(s, tuple)
-                 and {"SEND_F", "SEND_B"} <= {a.kind for a in s})
+    batch = next(s for s in steps if isinstance(s, tuple) and {"SEND_F", "SEND_B"} <= {a.kind for a in s})
     i, j = (acts[0].index(a) for a in batch if a.kind in ("SEND_F", "SEND_B"))
     acts[0][i], acts[0][j] = acts[0][j], acts[0][i]
     with pytest.raises(AssertionError, match="untagged transport"):

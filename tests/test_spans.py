@@ -1,5 +1,6 @@
 """Unit tests of span recording (threefold.observe.spans), traces and the report's pieces, in one
 process: no training."""
+
 from __future__ import annotations
 
 import json
@@ -61,11 +62,22 @@ def test_traced_step_keeps_nested_events_with_labels():
 
 def test_unknown_category_and_bad_nesting_are_refused():
     with pytest.raises(ValueError, match="unknown"):
-        resolve([(True, "other", None, 0.0), (True, "gpu_magic", None, 0.1), (False, "gpu_magic", None, 0.2),
-                 (False, "other", None, 0.3)], [0.0, 0.1, 0.2, 0.3], False)
+        resolve(
+            [
+                (True, "other", None, 0.0),
+                (True, "gpu_magic", None, 0.1),
+                (False, "gpu_magic", None, 0.2),
+                (False, "other", None, 0.3),
+            ],
+            [0.0, 0.1, 0.2, 0.3],
+            False,
+        )
     with pytest.raises(RuntimeError, match="nest"):
-        resolve([(True, "other", None, 0.0), (True, "forward", None, 0.1), (False, "other", None, 0.2)],
-                [0.0, 0.1, 0.2], False)
+        resolve(
+            [(True, "other", None, 0.0), (True, "forward", None, 0.1), (False, "other", None, 0.2)],
+            [0.0, 0.1, 0.2],
+            False,
+        )
 
 
 def test_spans_outside_a_step_are_not_recorded():
@@ -101,8 +113,14 @@ def test_trace_steps_parse():
 
 def test_trace_events_pass_the_schema_check_and_broken_ones_fail():
     events = metadata_events([(0, {"tp": 0, "pp": 0}), (1, {"tp": 0, "pp": 1})])
-    events += step_events(3, 0.0, [(0, [("other", "step", 0.0, 0.01, 0), ("forward", "F0c0", 0.001, 0.002, 1)]),
-                                   (1, [("other", "step", 0.0, 0.01, 0), ("backward", "B0c0", 0.004, 0.003, 1)])])
+    events += step_events(
+        3,
+        0.0,
+        [
+            (0, [("other", "step", 0.0, 0.01, 0), ("forward", "F0c0", 0.001, 0.002, 1)]),
+            (1, [("other", "step", 0.0, 0.01, 0), ("backward", "B0c0", 0.004, 0.003, 1)]),
+        ],
+    )
     doc = json.loads(json.dumps({"traceEvents": events}))
     assert check_trace(doc) == []
     step, rows = gantt_rows(doc)
@@ -118,19 +136,30 @@ def test_biggest_change_and_config_diff():
     assert biggest_change(a, b) == ("pp_bubble", pytest.approx(0.4 / 3.8 - 0.25))  # p2p: more ms, less share
     slower = {c: 3 * v for c, v in a.items()}  # the same run on a busier machine: no share changes
     assert biggest_change(a, slower)[1] == pytest.approx(0.0)
-    diff = config_diff({"parallel": {"pp": 2, "schedule": "1f1b"}, "log": {"dir": "a"}},
-                       {"parallel": {"pp": 2, "schedule": "interleaved"}, "log": {"dir": "b"}})
+    diff = config_diff(
+        {"parallel": {"pp": 2, "schedule": "1f1b"}, "log": {"dir": "a"}},
+        {"parallel": {"pp": 2, "schedule": "interleaved"}, "log": {"dir": "b"}},
+    )
     assert diff == [("parallel.schedule", "1f1b", "interleaved")]
 
 
-@pytest.mark.parametrize("make, expect", [
-    (lambda d: None, "does not exist"),
-    (lambda d: d.mkdir(), "has no run.json"),
-    (lambda d: (d.mkdir(), (d / "run.json").write_text('{"config": {}}')), "has no metrics.jsonl"),
-    (lambda d: (d.mkdir(), (d / "run.json").write_text('{"config": {}}'), (d / "metrics.jsonl").write_text('{"st')),
-     "has no complete step"),
-    (lambda d: (d.mkdir(), (d / "run.json").write_text('{"conf')), "is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "make, expect",
+    [
+        (lambda d: None, "does not exist"),
+        (lambda d: d.mkdir(), "has no run.json"),
+        (lambda d: (d.mkdir(), (d / "run.json").write_text('{"config": {}}')), "has no metrics.jsonl"),
+        (
+            lambda d: (
+                d.mkdir(),
+                (d / "run.json").write_text('{"config": {}}'),
+                (d / "metrics.jsonl").write_text('{"st'),
+            ),
+            "has no complete step",
+        ),
+        (lambda d: (d.mkdir(), (d / "run.json").write_text('{"conf')), "is not valid JSON"),
+    ],
+)
 def test_report_on_a_missing_or_half_written_run_dir_is_one_line(tmp_path, capsys, make, expect):
     run = tmp_path / "run"
     make(run)
@@ -143,8 +172,9 @@ def test_report_drops_a_half_written_last_line_and_says_so(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     (run / "run.json").write_text(json.dumps({"config": {"model": {}, "parallel": {"pp": 1}}}))
-    lines = [json.dumps({"step": i, "loss": 5.0 - i, "step_time_s": 0.1, "tokens_per_s": 10.0, "mfu": None})
-             for i in (1, 2)]
+    lines = [
+        json.dumps({"step": i, "loss": 5.0 - i, "step_time_s": 0.1, "tokens_per_s": 10.0, "mfu": None}) for i in (1, 2)
+    ]
     (run / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 3, "lo')
     assert main(["report", str(run), "--no-plots"]) == 0
     out = capsys.readouterr().out
@@ -189,8 +219,17 @@ def test_log_knobs_are_validated():
 def test_summary_hfu_counts_recompute():
     from threefold.observe.summary import hfu_ratio
 
-    model = dict(arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128, vocab=100, seq_len=16,
-                 tie_embeddings=False)
+    model = dict(
+        arch="llama",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=128,
+        vocab=100,
+        seq_len=16,
+        tie_embeddings=False,
+    )
     assert hfu_ratio({"model": model, "train": {"recompute": "none"}}) == 1.0
     full = hfu_ratio({"model": model, "train": {"recompute": "full"}, "parallel": {"pp": 1}})
     assert full == pytest.approx((493824 + 151808) / 493824)

@@ -9,6 +9,7 @@ grid.CommStats; X = s*b*h*e with e bytes per activation element), docs/tensor_pa
     tp without sp: 4 all-reduces of X                      (full recompute: +1)
     tp with sp:    6 all-gathers + 4 reduce-scatters of X  (full recompute: +2 all-gathers, +1 reduce-scatter)
 """
+
 from __future__ import annotations
 
 import json
@@ -19,47 +20,67 @@ import numpy as np
 import pytest
 import torch
 
-from harness import CALM_LR, assert_parity, run_ranks, run_training, within
-from tp_checks import resolved, run_plan
 from threefold.config import build_config
 from threefold.data import load_tokens
 from threefold.distributed.grid import Group
 from threefold.distributed.tensor_parallel import apply_tensor_parallel
-from threefold.model.sharding import declare, partial_params
 from threefold.errors import ConfigError
+from threefold.model.sharding import declare, partial_params
 from threefold.model.transformer import Transformer
 from threefold.observe.activations import layer_activation_elements
 from threefold.validate import validate
+
+from harness import CALM_LR, assert_parity, run_ranks, run_training, within
+from tp_checks import resolved, run_plan
 
 STEPS = 20
 # The tiny preset's shape rules (heads 4, kv_heads 2: tp 4 shares kv heads), two layers and a
 # shorter sequence to keep the suite fast. One micro-batch per step halves the (latency-bound)
 # collectives; the tp2 x dp2 run accumulates two micro-batches per rank.
-BASE = {"train.steps": STEPS, "train.seed": 0, "model.layers": 2, "model.seq_len": 64, "train.micro_batch": 16,
-        "train.lr": CALM_LR}
+BASE = {
+    "train.steps": STEPS,
+    "train.seed": 0,
+    "model.layers": 2,
+    "model.seq_len": 64,
+    "train.micro_batch": 16,
+    "train.lr": CALM_LR,
+}
 SMALL = {"model.layers": 2, "model.seq_len": 16}
 MODES = ("none", "selective", "full")
 
 
 def tp_runs(tp: int) -> dict[str, dict]:
-    runs = {f"tp{tp}{'-sp' if sp else ''}-{mode}": {"parallel.tp": tp, "parallel.sp": sp, "train.recompute": mode}
-            for sp in (False, True) for mode in MODES}
+    runs = {
+        f"tp{tp}{'-sp' if sp else ''}-{mode}": {"parallel.tp": tp, "parallel.sp": sp, "train.recompute": mode}
+        for sp in (False, True)
+        for mode in MODES
+    }
     if tp == 4:
-        runs["tp4-sp-full1"] = {"parallel.tp": 4, "parallel.sp": True, "train.recompute": "full",
-                                "train.recompute_layers": 1}
+        runs["tp4-sp-full1"] = {
+            "parallel.tp": 4,
+            "parallel.sp": True,
+            "train.recompute": "full",
+            "train.recompute_layers": 1,
+        }
         runs["tp2-dp2-sp-none"] = {"parallel.tp": 2, "parallel.dp": 2, "parallel.sp": True, "train.micro_batch": 4}
     return runs
 
 
 def comm_cases(tp: int) -> list[dict]:
-    return [{"parallel.tp": tp, "parallel.sp": sp, "train.recompute": mode, **SMALL}
-            for sp in (False, True) for mode in ("none", "full")]
+    return [
+        {"parallel.tp": tp, "parallel.sp": sp, "train.recompute": mode, **SMALL}
+        for sp in (False, True)
+        for mode in ("none", "full")
+    ]
 
 
 def memory_cases(tp: int) -> list[dict]:
     shape = {"model.layers": 2, "model.seq_len": 32, "model.hidden": 64, "model.ffn_hidden": 176}
-    return [{"parallel.tp": tp, "parallel.sp": sp, "train.recompute": mode, **shape}
-            for sp in (False, True) for mode in MODES]
+    return [
+        {"parallel.tp": tp, "parallel.sp": sp, "train.recompute": mode, **shape}
+        for sp in (False, True)
+        for mode in MODES
+    ]
 
 
 def spawn(tp: int, root: Path, cache_dir: str, base: dict) -> dict:
@@ -68,10 +89,24 @@ def spawn(tp: int, root: Path, cache_dir: str, base: dict) -> dict:
     plan = [("layers", {"sp": False}), ("layers", {"sp": True})]
     plan += [("model", {"parallel.tp": tp, "parallel.sp": sp, **SMALL}) for sp in (False, True)]
     plan += [("model", {"parallel.tp": tp, "parallel.sp": True, "train.recompute": "full", **SMALL})]
-    plan += [("model", {"parallel.tp": tp, "parallel.sp": sp, "parallel.tp_comm_overlap": False, **SMALL})
-             for sp in (False, True)]
-    plan += [("model", {"parallel.tp": tp, "parallel.sp": sp, "model.arch": "gpt2", "model.kv_heads": 4,
-                        "model.tie_embeddings": True, **SMALL}) for sp in (False, True)]
+    plan += [
+        ("model", {"parallel.tp": tp, "parallel.sp": sp, "parallel.tp_comm_overlap": False, **SMALL})
+        for sp in (False, True)
+    ]
+    plan += [
+        (
+            "model",
+            {
+                "parallel.tp": tp,
+                "parallel.sp": sp,
+                "model.arch": "gpt2",
+                "model.kv_heads": 4,
+                "model.tie_embeddings": True,
+                **SMALL,
+            },
+        )
+        for sp in (False, True)
+    ]
     plan += [("dropout", {"parallel.tp": tp, "parallel.sp": True, "model.dropout": 0.2, **SMALL})]
     plan += [("comm", case) for case in comm_cases(tp)]
     plan += [("memory", {"overrides": case, "batch": 2}) for case in memory_cases(tp)]
@@ -82,10 +117,18 @@ def spawn(tp: int, root: Path, cache_dir: str, base: dict) -> dict:
     def of(kind):
         return [r for k, r in zip(kinds, results[0]) if k == kind]
 
-    metrics = {name: [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
-               for name in runs}
-    return {"layers": of("layers"), "model": of("model"), "dropout": of("dropout"), "comm": of("comm"),
-            "memory": of("memory"), "metrics": metrics, "runs": runs}
+    metrics = {
+        name: [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()] for name in runs
+    }
+    return {
+        "layers": of("layers"),
+        "model": of("model"),
+        "dropout": of("dropout"),
+        "comm": of("comm"),
+        "memory": of("memory"),
+        "metrics": metrics,
+        "runs": runs,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +144,12 @@ def base(tmp_path_factory, cache_dir) -> dict:
 def reference(tmp_path_factory, cache_dir, base) -> dict:
     """tp = 1 runs in this process: the reference, and each recompute mode."""
     root = tmp_path_factory.mktemp("tp1")
-    runs = {"tp1-none": {}, "tp1-selective": {"train.recompute": "selective"},
-            "tp1-full": {"train.recompute": "full"},
-            "tp1-full1": {"train.recompute": "full", "train.recompute_layers": 1}}
+    runs = {
+        "tp1-none": {},
+        "tp1-selective": {"train.recompute": "selective"},
+        "tp1-full": {"train.recompute": "full"},
+        "tp1-full1": {"train.recompute": "full", "train.recompute_layers": 1},
+    }
     return {name: run_training({**base, **over}, root / name, cache_dir) for name, over in runs.items()}
 
 
@@ -128,6 +174,7 @@ def case_tp(spawned) -> int:
 
 # --- without processes ------------------------------------------------------------------------
 
+
 def _meta_model(tp: int, sp: bool, **over):
     cfg = build_config(None, [(k, str(v)) for k, v in over.items()]).model
     with torch.device("meta"):
@@ -147,7 +194,7 @@ def test_parallel_model_keeps_names_and_declares_every_shard():
     assert tuple(blk.attn.wk.weight.shape) == full["layers.0.attn.wk.weight"]  # whole, rows picked
     assert tuple(blk.mlp.w1.weight.shape) == (88, 128) and tuple(model.tok_embed.weight.shape) == (64, 128)
     for module in model.modules():
-        for name, spec in getattr(module, "shard_specs", {}).items():
+        for spec in getattr(module, "shard_specs", {}).values():
             assert spec.length * 4 == spec.full_shape[spec.dim]
     partial = {id(p) for p in partial_params([model])}
     assert id(blk.attn_norm.weight) in partial and id(blk.attn.wk.weight) in partial
@@ -161,16 +208,19 @@ def test_without_sp_only_shared_kv_heads_need_a_gradient_sum():
     assert model.head.weight is model.tok_embed.weight
 
 
-@pytest.mark.parametrize("pairs, key, words", [
-    ({"parallel.tp": 3}, "parallel.tp", "model.heads (4) is not divisible by parallel.tp (3) (valid: 1, 2, 4)"),
-    ({"model.hidden": 96, "model.heads": 6, "parallel.tp": 3}, "parallel.tp", "must divide one another"),
-    ({"model.vocab": 254, "parallel.tp": 4}, "parallel.tp", "pad model.vocab to a multiple of 4"),
-    ({"model.ffn_hidden": 350, "parallel.tp": 4}, "parallel.tp", "model.ffn_hidden (350) is not divisible"),
-    ({"parallel.sp": True}, "parallel.sp", "needs tensor parallelism"),
-    ({"parallel.tp": 4, "parallel.sp": True, "model.seq_len": 66}, "parallel.sp", "seq_len must split evenly"),
-    ({"train.recompute_layers": 2}, "train.recompute_layers", "applies only to full recompute"),
-    ({"train.recompute": "full", "train.recompute_layers": 9}, "train.recompute_layers", "valid: 0 (all) to 4"),
-])
+@pytest.mark.parametrize(
+    "pairs, key, words",
+    [
+        ({"parallel.tp": 3}, "parallel.tp", "model.heads (4) is not divisible by parallel.tp (3) (valid: 1, 2, 4)"),
+        ({"model.hidden": 96, "model.heads": 6, "parallel.tp": 3}, "parallel.tp", "must divide one another"),
+        ({"model.vocab": 254, "parallel.tp": 4}, "parallel.tp", "pad model.vocab to a multiple of 4"),
+        ({"model.ffn_hidden": 350, "parallel.tp": 4}, "parallel.tp", "model.ffn_hidden (350) is not divisible"),
+        ({"parallel.sp": True}, "parallel.sp", "needs tensor parallelism"),
+        ({"parallel.tp": 4, "parallel.sp": True, "model.seq_len": 66}, "parallel.sp", "seq_len must split evenly"),
+        ({"train.recompute_layers": 2}, "train.recompute_layers", "applies only to full recompute"),
+        ({"train.recompute": "full", "train.recompute_layers": 9}, "train.recompute_layers", "valid: 0 (all) to 4"),
+    ],
+)
 def test_invalid_combinations_are_refused_in_one_line(pairs, key, words):
     cfg = build_config(None, [(k, str(v)) for k, v in pairs.items()])
     world = cfg.parallel.tp
@@ -180,6 +230,7 @@ def test_invalid_combinations_are_refused_in_one_line(pairs, key, words):
 
 
 # --- in spawned process groups ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("spawned", [2, 4], indirect=True)
 def test_layers_match_unsharded_reference(spawned):
@@ -195,8 +246,15 @@ def test_whole_model_matches_unsharded(spawned):
     # Init slices, loss, logits and all gradients: llama sp off/on, full recompute, without the dW
     # overlap, gpt2 tied.
     assert len(spawned["model"]) == 7
-    cases = ("llama", "llama sp", "llama sp full recompute", "llama no overlap", "llama sp no overlap", "gpt2",
-             "gpt2 sp")
+    cases = (
+        "llama",
+        "llama sp",
+        "llama sp full recompute",
+        "llama no overlap",
+        "llama sp no overlap",
+        "gpt2",
+        "gpt2 sp",
+    )
     for case, diffs in zip(cases, spawned["model"]):
         assert set(diffs) == {"init", "loss per token", "grad", "logits"}
         for kind, (diff, bound, label) in diffs.items():
@@ -228,6 +286,7 @@ def microbatch_volume(s, b, h, layers, sp, recompute, e=4) -> dict:
     def add(kind, calls, nbytes):
         n, v = total.get(kind, (0, 0))
         total[kind] = (n + calls, v + nbytes)
+
     if sp:
         add("reduce_scatter", 2, 2 * x)  # embedding forward, head input backward
         add("all_gather", 3, 3 * x)  # embedding backward, head input forward, head's re-gather
@@ -278,8 +337,17 @@ def test_step_metrics_report_tp_bytes(spawned):
 def test_activation_memory_matches_formula(spawned):
     for case, got in zip(memory_cases(case_tp(spawned)), spawned["memory"]):
         m = build_config(None, [(k, str(v)) for k, v in case.items()]).model
-        want = 4 * layer_activation_elements(m.seq_len, 2, m.hidden, m.heads, m.kv_heads, m.ffn_hidden,
-                                             case["parallel.tp"], case["parallel.sp"], case["train.recompute"])
+        want = 4 * layer_activation_elements(
+            m.seq_len,
+            2,
+            m.hidden,
+            m.heads,
+            m.kv_heads,
+            m.ffn_hidden,
+            case["parallel.tp"],
+            case["parallel.sp"],
+            case["train.recompute"],
+        )
         within(f"activation bytes / formula - 1, {case}", abs(got["per_layer"] / want - 1), 1e-9)  # byte for byte
 
 

@@ -2,6 +2,7 @@
 between the start of the input gradient's collective and the wait for it, and give the same
 gradients as computing them in the layer's own backward. One process: the collectives are
 stand-ins that record the order (the values are checked across ranks by test_tensor_parallel)."""
+
 import pytest
 import torch
 
@@ -77,8 +78,7 @@ def test_weight_gradients_run_while_the_input_gradient_is_reduced(events, sp):
     # With overlap: the collective starts, dW runs, then the wait. Under SP the shard's gather
     # (dW's input) starts in the layer's backward, before its dX matmul, and is waited on first.
     if sp:
-        assert events == ["start all_gather", "start reduce_scatter", "wait all_gather", "dW x1",
-                          "wait reduce_scatter"]
+        assert events == ["start all_gather", "start reduce_scatter", "wait all_gather", "dW x1", "wait reduce_scatter"]
     else:
         assert events == ["start all_reduce", "dW x1", "wait all_reduce"]
     for got, want in zip(overlapped, plain):

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import CALM_LR, assert_parity, run_training, run_training_many
 from threefold.train.optim import clip_gradients, global_grad_norm, lr_at
+
+from harness import CALM_LR, assert_parity, run_training, run_training_many
 
 STEPS = 20
 BASE = {"train.steps": STEPS, "train.seed": 0, "train.lr": CALM_LR}
@@ -52,8 +53,19 @@ def dp1_run(tmp_path_factory, cache_dir):
 def test_single_process_loss_falls_and_metrics_are_complete(dp1_run):
     assert len(dp1_run) == STEPS
     assert dp1_run[-1]["loss"] < dp1_run[0]["loss"] - 1.0
-    keys = {"step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s",
-            "model_tflops_per_device", "mfu", "peak_mem_bytes", "data_wait_s"}
+    keys = {
+        "step",
+        "loss",
+        "grad_norm",
+        "lr",
+        "tokens",
+        "step_time_s",
+        "tokens_per_s",
+        "model_tflops_per_device",
+        "mfu",
+        "peak_mem_bytes",
+        "data_wait_s",
+    }
     assert keys <= set(dp1_run[0])
     assert dp1_run[-1]["tokens"] == STEPS * 16 * 128
     assert dp1_run[0]["peak_mem_bytes"] > 0 and dp1_run[0]["mfu"] > 0
@@ -67,8 +79,7 @@ def test_data_parallel_matches_single_process(dp, dp1_run, tmp_path, cache_dir):
 
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory, cache_dir):
-    runs = {f"zero{z}": {**BASE, "parallel.dp": 2, "parallel.zero": z}
-            for z in (1, 2, 3)}
+    runs = {f"zero{z}": {**BASE, "parallel.dp": 2, "parallel.zero": z} for z in (1, 2, 3)}
     runs["zero1-bucketed"] = {**runs["zero1"], "parallel.bucket_mb": 0.25}
     return run_training_many(runs, tmp_path_factory.mktemp("zero"), cache_dir, world=2)
 
@@ -81,8 +92,20 @@ def test_zero_stages_in_the_loop_match_single_process(name, zero_runs, dp1_run):
 
 def test_cli_trains_through_the_elastic_agent(tmp_path, cache_dir):
     log = tmp_path / "run"
-    cmd = [sys.executable, "-m", "threefold", "train", "--parallel.dp", "2", "--train.steps", "3",
-           "--log.dir", str(log), "--data.cache_dir", cache_dir]
+    cmd = [
+        sys.executable,
+        "-m",
+        "threefold",
+        "train",
+        "--parallel.dp",
+        "2",
+        "--train.steps",
+        "3",
+        "--log.dir",
+        str(log),
+        "--data.cache_dir",
+        cache_dir,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = (log / "metrics.jsonl").read_text().splitlines()
@@ -93,8 +116,18 @@ def test_cli_trains_through_the_elastic_agent(tmp_path, cache_dir):
 
 
 def test_cli_bad_data_path_is_one_line(tmp_path, cache_dir):
-    cmd = [sys.executable, "-m", "threefold", "train", "--data.path", str(tmp_path / "nope.txt"),
-           "--data.cache_dir", cache_dir, "--log.dir", str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "threefold",
+        "train",
+        "--data.path",
+        str(tmp_path / "nope.txt"),
+        "--data.cache_dir",
+        cache_dir,
+        "--log.dir",
+        str(tmp_path / "run"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()

@@ -1,16 +1,25 @@
 """Model-state memory of the data-parallel engine against ZeRO's formulas (fp32 and bf16, dp 2
 and 4, ZeRO 0-3), checkpoint pieces that tile every parameter, fp16 loss scaling and bf16
 parameters with an fp32 reduce-scatter, in one spawned group of four ranks."""
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks, within
-from test_data_parallel import CPU, _flat, _max_delta, _pairs, make_cfg, make_grid, train_engine
-from test_data_parallel import reference  # noqa: F401 - the fixture the test compares with
 from threefold.distributed.data_parallel.state import owned_pieces, refresh_params
 from threefold.distributed.parallelize import build_model
+
+from dp_checks import (
+    CPU,
+    flat_params,
+    make_cfg,
+    make_grid,
+    max_delta,
+    rank_pairs,
+    train_engine,
+)
+from harness import run_ranks, within
 
 
 def _pieces_round_trip(engine) -> bool:
@@ -28,43 +37,62 @@ def _pieces_round_trip(engine) -> bool:
     tiled = all(torch.equal(assembled[id(p)].to(p.dtype), before[names[id(p)]]) for p in engine.params)
     for piece in pieces:  # "load" a checkpoint whose value is the element's index in its parameter
         rows = torch.arange(piece.offsets[0], piece.offsets[0] + piece.tensors["master"].shape[0])
-        value = rows[:, None] * piece.param.shape[-1] + torch.arange(piece.tensors["master"].shape[-1]) \
-            + piece.offsets[-1] if piece.param.ndim == 2 else rows
+        value = (
+            rows[:, None] * piece.param.shape[-1] + torch.arange(piece.tensors["master"].shape[-1]) + piece.offsets[-1]
+            if piece.param.ndim == 2
+            else rows
+        )
         piece.tensors["master"].copy_(value.float() / 1024)
     refresh_params(engine, step=7)
     after = engine.full_parameters()
-    loaded = all(torch.equal(after[names[id(p)]], (torch.arange(p.numel()).float() / 1024).view(p.shape).to(p.dtype))
-                 for p in engine.params)
+    loaded = all(
+        torch.equal(after[names[id(p)]], (torch.arange(p.numel()).float() / 1024).view(p.shape).to(p.dtype))
+        for p in engine.params
+    )
     return tiled and loaded and engine.optimizer.step_count == 7
 
 
 def _memory_precision_worker(data: str) -> dict:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    pair_grid, world_grid = _pairs()
+    pair_grid, world_grid = rank_pairs()
     out: dict = {"memory": {}}
     # Memory after one step, between steps. N = 2: each pair takes one precision; N = 4: both.
     runs = [(2, pair_grid, "fp32" if rank < 2 else "bf16"), (4, world_grid, "fp32"), (4, world_grid, "bf16")]
     for n, grid, name in runs:
         for zero in range(4):
-            cfg = make_cfg(data, **{"parallel.dp": n, "parallel.zero": zero, "train.dtype": name,
-                                    "parallel.bucket_mb": 0.5})
+            cfg = make_cfg(
+                data, **{"parallel.dp": n, "parallel.zero": zero, "train.dtype": name, "parallel.bucket_mb": 0.5}
+            )
             res = train_engine(cfg, grid, steps=1, measure=True)
             report = res["memory"]
             out["memory"][(n, name, zero)] = (report.measured, report.predicted, report.ratio())
             if zero > 0 and (n, name) in ((4, "fp32"), (4, "bf16"), (2, "bf16" if rank < 2 else "fp32")):
                 out.setdefault("pieces", []).append(_pieces_round_trip(res["engine"]))
     if rank < 2:  # fp16, ZeRO 2: an overflowing start is skipped, the scale halves, then grows back
-        cfg = make_cfg(data, **{"parallel.dp": 2, "parallel.zero": 2, "train.dtype": "fp16",
-                                "train.initial_loss_scale": 2.0 ** 20, "train.loss_scale_window": 2})
+        cfg = make_cfg(
+            data,
+            **{
+                "parallel.dp": 2,
+                "parallel.zero": 2,
+                "train.dtype": "fp16",
+                "train.initial_loss_scale": 2.0**20,
+                "train.loss_scale_window": 2,
+            },
+        )
         res = train_engine(cfg, pair_grid, steps=9, snapshot_at=1)
         initial = build_model(cfg, make_grid(), CPU)
-        before = _flat({n: p.detach().half() for n, p in initial.named_parameters()})
-        out["fp16"] = {"applied": res["applied"], "scales": res["scales"], "losses": res["losses"],
-                       "unchanged_after_skip": torch.equal(before, _flat(res["params"]))}
+        before = flat_params({n: p.detach().half() for n, p in initial.named_parameters()})
+        out["fp16"] = {
+            "applied": res["applied"],
+            "scales": res["scales"],
+            "losses": res["losses"],
+            "unchanged_after_skip": torch.equal(before, flat_params(res["params"])),
+        }
     else:  # bf16 parameters, fp32 master and fp32 reduce-scatter, ZeRO 3
-        cfg = make_cfg(data, **{"parallel.dp": 2, "parallel.zero": 3, "train.dtype": "bf16",
-                                "train.grad_reduce_dtype": "fp32"})
+        cfg = make_cfg(
+            data, **{"parallel.dp": 2, "parallel.zero": 3, "train.dtype": "bf16", "train.grad_reduce_dtype": "fp32"}
+        )
         res = train_engine(cfg, pair_grid, steps=6)
         out["bf16_losses"] = res["losses"]
     dist.barrier()
@@ -72,7 +100,7 @@ def _memory_precision_worker(data: str) -> dict:
     return out
 
 
-def test_memory_matches_zero_formulas_and_mixed_precision(data, reference):
+def test_memory_matches_zero_formulas_and_mixed_precision(data, dp_reference):
     results = run_ranks(_memory_precision_worker, 4, data, timeout=300)
     memory = {**results[0]["memory"], **results[2]["memory"]}
     assert len(memory) == 16
@@ -89,11 +117,13 @@ def test_memory_matches_zero_formulas_and_mixed_precision(data, reference):
     for i in range(len(fp16["applied"]) - 1):
         if not fp16["applied"][i]:
             assert fp16["scales"][i + 1] == fp16["scales"][i] / 2
-    assert any(fp16["applied"]) and max(fp16["scales"][1:]) <= 2.0 ** 19
+    assert any(fp16["applied"]) and max(fp16["scales"][1:]) <= 2.0**19
     good = [i for i in range(1, len(fp16["applied"])) if fp16["applied"][i] and fp16["applied"][i - 1]]
     assert any(fp16["scales"][i + 1] == 2 * fp16["scales"][i] for i in good if i + 1 < len(fp16["scales"]))
     assert fp16["losses"][-1] < fp16["losses"][0]
-    within("engine bf16 zero3 fp32 reduce vs fp32 loss", _max_delta(results[2]["bf16_losses"], reference[:6]), 2e-2)
-    print("\nmemory measured/predicted: " + ", ".join(f"N{n} {name} z{z} {r:.3f}"
-                                                       for (n, name, z), (_, _, r) in sorted(memory.items())))
+    within("engine bf16 zero3 fp32 reduce vs fp32 loss", max_delta(results[2]["bf16_losses"], dp_reference[:6]), 2e-2)
+    print(
+        "\nmemory measured/predicted: "
+        + ", ".join(f"N{n} {name} z{z} {r:.3f}" for (n, name, z), (_, _, r) in sorted(memory.items()))
+    )
     print(f"fp16 applied {fp16['applied']} scales {fp16['scales']}")

@@ -5,6 +5,7 @@ each check compares a tensor-parallel layer or model with an unsharded reference
 the same seed on every rank, and returns {what was compared: (largest difference, bound)}; the
 test asserts each with harness.within, so `pytest --tolerances` lists them all.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -14,18 +15,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from harness import train_configs
 from threefold.config import Config, build_config
+from threefold.distributed.data_parallel import DataParallel
+from threefold.distributed.finalize import finalize_grads
 from threefold.distributed.grid import Grid, Group, RankLayout
 from threefold.distributed.parallelize import build_model
 from threefold.distributed.runtime import init_distributed, shutdown_distributed
-from threefold.distributed.data_parallel import DataParallel
-from threefold.distributed.finalize import finalize_grads
-from threefold.distributed.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                                   vocab_parallel_cross_entropy)
-from threefold.model.sharding import partial_params
+from threefold.distributed.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 from threefold.distributed.tensor_parallel.mappings import gather_from_tensor_region
+from threefold.model.sharding import partial_params
 from threefold.validate import validate
+
+from harness import train_configs
 
 
 class Diffs(dict):
@@ -33,8 +39,9 @@ class Diffs(dict):
 
     def close(self, kind: str, got: torch.Tensor, want: torch.Tensor, bound: float = 1e-5, label: str = "") -> None:
         if got.shape != want.shape:
-            raise AssertionError(f"rank {dist.get_rank()} {kind} {label}: shape {tuple(got.shape)} vs "
-                                 f"{tuple(want.shape)}")
+            raise AssertionError(
+                f"rank {dist.get_rank()} {kind} {label}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+            )
         diff = (got.detach() - want.detach()).abs().max().item() if got.numel() else 0.0
         if kind not in self or diff > self[kind][0]:
             self[kind] = (diff, bound, label)
@@ -80,7 +87,7 @@ def check_layers(tp: Group, sp: bool) -> Diffs:
         spec = col.shard_specs["weight"]
         (yr * gy).sum().backward()
         (yl * shard(gy, SimpleNamespace(dim=2, start=spec.start, length=spec.length))).sum().backward()
-        d.close(f"{tag} out", yl, yr[..., spec.start:spec.start + spec.length])
+        d.close(f"{tag} out", yl, yr[..., spec.start : spec.start + spec.length])
         d.close(f"{tag} gathered", gather_from_tensor_region(yl.detach(), tp), yr)
         for name in ("weight", "bias"):
             d.close(f"{tag} d{name}", *_grad_of(col, name, ref))
@@ -91,13 +98,13 @@ def check_layers(tp: Group, sp: bool) -> Diffs:
     spec = row.shard_specs["weight"]
     x, gy = torch.randn(s, b, f), torch.randn(s, b, h)
     xr = x.clone().requires_grad_()
-    xl = x[..., spec.start:spec.start + spec.length].clone().requires_grad_()
+    xl = x[..., spec.start : spec.start + spec.length].clone().requires_grad_()
     yr, yl = ref(xr), row(xl)
     (yr * gy).sum().backward()
     (yl * (seq_shard(gy, tp) if sp else gy)).sum().backward()
     d.close("row out", yl, seq_shard(yr, tp) if sp else yr)
     d.close("row dweight", *_grad_of(row, "weight", ref))
-    d.close("row dx", xl.grad, xr.grad[..., spec.start:spec.start + spec.length])
+    d.close("row dx", xl.grad, xr.grad[..., spec.start : spec.start + spec.length])
     if sp:  # each rank added the bias to its own rows: a partial gradient, summed over the group
         dist.all_reduce(row.bias.grad, group=tp.pg)
     d.close("row dbias", row.bias.grad, ref.bias.grad)
@@ -114,13 +121,13 @@ def check_layers(tp: Group, sp: bool) -> Diffs:
     logits, targets = torch.randn(s, b, vocab) * 3, torch.randint(0, vocab, (s, b))
     lr = logits.clone().requires_grad_()
     n = vocab // tp.size
-    ll = logits[..., tp.rank * n:(tp.rank + 1) * n].clone().requires_grad_()
+    ll = logits[..., tp.rank * n : (tp.rank + 1) * n].clone().requires_grad_()
     loss_r = F.cross_entropy(lr.flatten(0, 1), targets.flatten(), reduction="sum")
     loss_l = vocab_parallel_cross_entropy(ll, targets, tp)
     (loss_r * 0.5).backward()
     (loss_l * 0.5).backward()
     d.close("cross-entropy per token", loss_l / targets.numel(), loss_r / targets.numel())
-    d.close("cross-entropy dlogits", ll.grad, lr.grad[..., tp.rank * n:(tp.rank + 1) * n])
+    d.close("cross-entropy dlogits", ll.grad, lr.grad[..., tp.rank * n : (tp.rank + 1) * n])
     return d
 
 

@@ -1,4 +1,5 @@
 """`threefold` command line: `threefold train [--config FILE] [--section.key VALUE ...]`."""
+
 from __future__ import annotations
 
 import argparse
@@ -54,16 +55,21 @@ def _lazy(target: str):
         import importlib
 
         return getattr(importlib.import_module(module), function)(argv)
+
     return run
 
 
-COMMANDS = {"train": _train, "memory": _lazy("threefold.train.memory_command:memory_command"),
-            "plan": _lazy("threefold.planner.command:plan_command"),
-            "checkpoint": _lazy("threefold.checkpoint.command:checkpoint_command"), "bench": _bench,
-            "data": _lazy("threefold.data.prepare:data_command"),
-            "eval": _lazy("threefold.inference.evaluate_command:eval_command"),
-            "generate": _lazy("threefold.inference.generate:generate_command"),
-            "report": _lazy("threefold.observe.report_command:report_command")}
+COMMANDS = {
+    "train": _train,
+    "memory": _lazy("threefold.train.memory_command:memory_command"),
+    "plan": _lazy("threefold.planner.command:plan_command"),
+    "checkpoint": _lazy("threefold.checkpoint.command:checkpoint_command"),
+    "bench": _bench,
+    "data": _lazy("threefold.data.prepare:data_command"),
+    "eval": _lazy("threefold.inference.evaluate_command:eval_command"),
+    "generate": _lazy("threefold.inference.generate:generate_command"),
+    "report": _lazy("threefold.observe.report_command:report_command"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 Every field carries a one-line doc (``knob(default, doc)``) that `threefold train --help-config`
 prints. Validation of cross-field rules lives in `threefold.validate`, in one place.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +28,9 @@ class ModelConfig:
     """Transformer shape. `preset` fills every shape field the user did not set."""
 
     preset: str = knob("tiny", "Named model size whose shape fills the other fields", None)
-    arch: str = knob("llama", "llama: RMSNorm/RoPE/SwiGLU/GQA; gpt2: LayerNorm/GeLU/learned positions", ("llama", "gpt2"))
+    arch: str = knob(
+        "llama", "llama: RMSNorm/RoPE/SwiGLU/GQA; gpt2: LayerNorm/GeLU/learned positions", ("llama", "gpt2")
+    )
     hidden: int = knob(0, "Model width h (0 = from preset)")
     layers: int = knob(0, "Number of transformer blocks (0 = from preset)")
     heads: int = knob(0, "Attention (query) heads (0 = from preset)")
@@ -44,8 +47,9 @@ class ModelConfig:
     num_experts: int = knob(0, "Routed experts per MoE layer (0 = dense MLPs everywhere)")
     top_k: int = knob(2, "Experts each token is routed to")
     moe_every: int = knob(1, "Every k-th block is MoE (layers k-1, 2k-1, ...); 1 = all blocks")
-    capacity_factor: float = knob(0.0, "Expert capacity = factor * tokens * top_k / experts; overflow is dropped "
-                                  "(0 = dropless)")
+    capacity_factor: float = knob(
+        0.0, "Expert capacity = factor * tokens * top_k / experts; overflow is dropped (0 = dropless)"
+    )
     aux_loss_coeff: float = knob(0.01, "Weight of the Switch/GShard load-balancing loss")
     z_loss_coeff: float = knob(0.001, "Weight of the router z-loss (mean squared log-sum-exp of router logits)")
     shared_expert: bool = knob(False, "Add a dense MLP every token goes through beside the routed experts")
@@ -70,18 +74,27 @@ class ParallelConfig:
     schedule: str = knob("1f1b", "Pipeline schedule", ("gpipe", "1f1b", "interleaved", "zb"))
     stage_layers: str = knob("", "Layers per virtual pipeline stage, e.g. '3,4,4,3' ('' = balanced by cost)")
     microbatches: int = knob(0, "Micro-batches per step per dp rank (0 = global_batch / (dp * micro_batch))")
-    order: str = knob("tp-cp-ep-dp-pp", "Rank order, fastest-varying first (tp first keeps TP groups on neighbouring ranks)")
+    order: str = knob(
+        "tp-cp-ep-dp-pp", "Rank order, fastest-varying first (tp first keeps TP groups on neighbouring ranks)"
+    )
     devices_per_node: int = knob(0, "Devices per node for placement checks (0 = local world size)")
     allow_tp_across_nodes: bool = knob(False, "Permit a tensor-parallel group to span nodes")
     bucket_mb: float = knob(25.0, "Gradient bucket size in MiB for data-parallel reduction (ZeRO 3 reduces per block)")
-    grad_reduce: str = knob("overlap", "When data-parallel gradients are reduced: overlap = bucket by bucket during the "
-                            "last micro-batch's backward; after = once backward has ended; every = after every "
-                            "micro-batch (ZeRO 2/3: one micro-batch of unreduced gradients alive)",
-                            ("overlap", "after", "every"))
-    tp_comm_overlap: bool = knob(True, "Run tensor-parallel backward's input-gradient all-reduce (reduce-scatter "
-                                 "under SP) while the weight-gradient matmuls compute")
-    free_sent_outputs: bool = knob(True, "Free a pipeline stage's output once it is sent, keeping only its graph for "
-                                   "backward")
+    grad_reduce: str = knob(
+        "overlap",
+        "When data-parallel gradients are reduced: overlap = bucket by bucket during the "
+        "last micro-batch's backward; after = once backward has ended; every = after every "
+        "micro-batch (ZeRO 2/3: one micro-batch of unreduced gradients alive)",
+        ("overlap", "after", "every"),
+    )
+    tp_comm_overlap: bool = knob(
+        True,
+        "Run tensor-parallel backward's input-gradient all-reduce (reduce-scatter "
+        "under SP) while the weight-gradient matmuls compute",
+    )
+    free_sent_outputs: bool = knob(
+        True, "Free a pipeline stage's output once it is sent, keeping only its graph for backward"
+    )
 
 
 @dataclass
@@ -99,21 +112,32 @@ class TrainConfig:
     beta1: float = knob(0.9, "AdamW beta1")
     beta2: float = knob(0.95, "AdamW beta2")
     grad_clip: float = knob(1.0, "Clip by global gradient norm (0 = off)")
-    dtype: str = knob("auto", "Parameter/compute dtype: auto = fp32 on CPU, bf16 on CUDA; bf16/fp16 keep fp32 "
-                      "master weights and Adam state", ("auto", "fp32", "bf16", "fp16"))
-    grad_reduce_dtype: str = knob("auto", "Dtype of gradient accumulation and data-parallel reduction "
-                                  "(auto = parameter dtype)", ("auto", "fp32", "bf16", "fp16"))
+    dtype: str = knob(
+        "auto",
+        "Parameter/compute dtype: auto = fp32 on CPU, bf16 on CUDA; bf16/fp16 keep fp32 master weights and Adam state",
+        ("auto", "fp32", "bf16", "fp16"),
+    )
+    grad_reduce_dtype: str = knob(
+        "auto",
+        "Dtype of gradient accumulation and data-parallel reduction (auto = parameter dtype)",
+        ("auto", "fp32", "bf16", "fp16"),
+    )
     loss_scale: str = knob("auto", "Loss scaling: auto (dynamic for fp16, none otherwise), none, dynamic, or a number")
     initial_loss_scale: float = knob(65536.0, "Starting value of a dynamic loss scale (halved at each overflow)")
     loss_scale_window: int = knob(1000, "Overflow-free steps in a row after which a dynamic loss scale doubles")
-    recompute: str = knob("none", "Activation recomputation: selective = attention core, full = whole blocks",
-                          ("none", "selective", "full"))
+    recompute: str = knob(
+        "none",
+        "Activation recomputation: selective = attention core, full = whole blocks",
+        ("none", "selective", "full"),
+    )
     recompute_layers: int = knob(0, "Blocks per pipeline stage that full recompute covers, from the first (0 = all)")
     device: str = knob("auto", "Device type: auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
     threads: int = knob(1, "Intra-op threads per worker on CPU")
     timeout_s: float = knob(300.0, "Collective timeout: a hung rank fails the job after this long")
     max_restarts: int = knob(0, "Times the elastic agent restarts failed workers (they resume from checkpoint.dir)")
-    nan_rollback_after: int = knob(3, "Reload the last checkpoint after this many non-finite steps in a row (0 = never)")
+    nan_rollback_after: int = knob(
+        3, "Reload the last checkpoint after this many non-finite steps in a row (0 = never)"
+    )
     straggler_steps: int = knob(5, "Name a rank whose compute stays above 1.5x the median this many steps (0 = off)")
     faults: str = knob("", "Fault injection for drills, e.g. 'kill:rank=1:step=5' ($THREEFOLD_FAULT overrides)")
     eval_every: int = knob(0, "Validation loss on the held-out tokens every N steps (0 = off; needs data.val_fraction)")
@@ -130,8 +154,9 @@ class DataConfig:
     cache_dir: str = knob("", "Token cache directory ('' = $THREEFOLD_CACHE or ~/.cache/threefold)")
     prefetch: int = knob(2, "Batches prepared ahead by the background prefetcher (0 = inline)")
     tokenizer: str = knob("", "tokenizer.json (tokenizers package) for text corpora and decoding ('' = byte-level)")
-    val_fraction: float = knob(0.0, "Last fraction of the token stream held out for evaluation and never trained "
-                               "on (0 = train on all of it)")
+    val_fraction: float = knob(
+        0.0, "Last fraction of the token stream held out for evaluation and never trained on (0 = train on all of it)"
+    )
 
 
 @dataclass
@@ -142,10 +167,14 @@ class CheckpointConfig:
     interval: int = knob(0, "Save every N steps (0 = only at the end when dir is set)")
     resume: str = knob("", "'' = start fresh, 'auto' = newest verified checkpoint in dir (if any), or a path")
     keep: int = knob(3, "Keep the newest N checkpoints (0 = all); the newest verified one is never deleted")
-    async_save: bool = knob(False, "Write checkpoints in the background; the loop pays only the copy to host memory",
-                            key="async")
-    init_from: str = knob("", "Checkpoint whose model weights start a fresh run (e.g. from import-hf): optimizer, "
-                          "step and data start anew; unused when resume finds a checkpoint")
+    async_save: bool = knob(
+        False, "Write checkpoints in the background; the loop pays only the copy to host memory", key="async"
+    )
+    init_from: str = knob(
+        "",
+        "Checkpoint whose model weights start a fresh run (e.g. from import-hf): optimizer, "
+        "step and data start anew; unused when resume finds a checkpoint",
+    )
 
 
 @dataclass
@@ -155,8 +184,11 @@ class LogConfig:
     dir: str = knob("runs/latest", "Run directory for metrics.jsonl and run.json")
     interval: int = knob(10, "Print a status line every N steps when stdout is not a terminal")
     quiet: bool = knob(False, "No per-step console output")
-    spans: bool = knob(False, "Time every rank's step by category (compute, TP/PP/DP comm, bubble, ...): "
-                       "time_s in metrics.jsonl, per-rank spans.jsonl")
+    spans: bool = knob(
+        False,
+        "Time every rank's step by category (compute, TP/PP/DP comm, bubble, ...): "
+        "time_s in metrics.jsonl, per-rank spans.jsonl",
+    )
     trace_steps: str = knob("", "Steps written to trace.json (Perfetto), e.g. '5,6'; needs log.spans")
     tensorboard: bool = knob(False, "Also write the metrics as TensorBoard scalars into log.dir (needs tensorboard)")
 
@@ -174,7 +206,7 @@ class Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Config":
+    def from_dict(cls, data: dict) -> Config:
         hints = typing.get_type_hints(cls)
         return cls(**{name: hints[name](**values) for name, values in data.items()})
 
@@ -186,17 +218,45 @@ SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden=128, layers=4, heads=4, kv_heads=2, ffn_hidden=352, vocab=256, seq_len=128),
     "small": dict(hidden=512, layers=6, heads=8, kv_heads=4, ffn_hidden=1408, vocab=256, seq_len=256),
-    "gpt-1.3b": dict(arch="gpt2", hidden=2048, layers=24, heads=16, kv_heads=16, ffn_hidden=8192,
-                     vocab=50304, seq_len=2048, tie_embeddings=True),
-    "gpt-175b": dict(arch="gpt2", hidden=12288, layers=96, heads=96, kv_heads=96, ffn_hidden=49152,
-                     vocab=51200, seq_len=2048, tie_embeddings=True),
+    "gpt-1.3b": dict(
+        arch="gpt2",
+        hidden=2048,
+        layers=24,
+        heads=16,
+        kv_heads=16,
+        ffn_hidden=8192,
+        vocab=50304,
+        seq_len=2048,
+        tie_embeddings=True,
+    ),
+    "gpt-175b": dict(
+        arch="gpt2",
+        hidden=12288,
+        layers=96,
+        heads=96,
+        kv_heads=96,
+        ffn_hidden=49152,
+        vocab=51200,
+        seq_len=2048,
+        tie_embeddings=True,
+    ),
     "llama-7b": dict(hidden=4096, layers=32, heads=32, kv_heads=32, ffn_hidden=11008, vocab=32000, seq_len=4096),
-    "llama-70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, ffn_hidden=28672, vocab=32000,
-                      seq_len=4096, rope_theta=500000.0),
+    "llama-70b": dict(
+        hidden=8192, layers=80, heads=64, kv_heads=8, ffn_hidden=28672, vocab=32000, seq_len=4096, rope_theta=500000.0
+    ),
     # OLMoE-1B-7B (Muennighoff et al. 2024): 64 SwiGLU experts of width 1024 per block, top-8;
     # 6.9B parameters, 1.3B active. (Its QK-norm is not modelled; shapes and counts match.)
-    "olmoe-1b-7b": dict(hidden=2048, layers=16, heads=16, kv_heads=16, ffn_hidden=1024, vocab=50304,
-                        seq_len=4096, num_experts=64, top_k=8),
+    "olmoe-1b-7b": dict(
+        hidden=2048,
+        layers=16,
+        heads=16,
+        kv_heads=16,
+        ffn_hidden=1024,
+        vocab=50304,
+        seq_len=4096,
+        num_experts=64,
+        top_k=8,
+    ),
 }
 
 
@@ -297,8 +357,9 @@ def load_toml(cfg: Config, path: str) -> list[str]:
     keys = []
     for section, values in data.items():
         if not isinstance(values, dict):
-            raise ConfigError(f"{path}: {section}", "top-level entries must be [section] tables",
-                              "sections: " + ", ".join(SECTIONS))
+            raise ConfigError(
+                f"{path}: {section}", "top-level entries must be [section] tables", "sections: " + ", ".join(SECTIONS)
+            )
         for key, value in values.items():
             set_key(cfg, f"{section}.{key}", value)
             keys.append(f"{section}.{key}")

@@ -1,4 +1,5 @@
 """User-facing errors: each becomes ONE line on stderr and exit code 2, never a traceback."""
+
 from __future__ import annotations
 
 

@@ -3,6 +3,7 @@
 Each violation raises ConfigError naming the key, what is wrong and what would be valid; the
 CLI turns it into one line on stderr and exit code 2.
 """
+
 from __future__ import annotations
 
 from threefold.config import Config
@@ -30,8 +31,14 @@ def validate_model(cfg: Config) -> None:
     _divides("model.hidden", "model.hidden", m.hidden, "model.heads", m.heads, "hidden must be heads * head_dim")
     if m.head_dim % 2 and m.arch == "llama":
         raise ConfigError("model.hidden", f"head_dim {m.head_dim} must be even for rotary embeddings")
-    _divides("model.kv_heads", "model.heads", m.heads, "model.kv_heads", m.kv_heads,
-             "each kv head serves a whole group of query heads")
+    _divides(
+        "model.kv_heads",
+        "model.heads",
+        m.heads,
+        "model.kv_heads",
+        m.kv_heads,
+        "each kv head serves a whole group of query heads",
+    )
     if m.arch == "gpt2" and m.kv_heads != m.heads:
         raise ConfigError("model.kv_heads", "gpt2 uses plain multi-head attention", f"set it to {m.heads}")
     if not 0.0 <= m.dropout < 1.0:
@@ -48,11 +55,15 @@ def validate_moe(cfg: Config) -> None:
     _positive("model.top_k", m.top_k)
     _positive("model.moe_every", m.moe_every)
     if m.top_k > m.num_experts:
-        raise ConfigError("model.top_k", f"{m.top_k} is more than model.num_experts ({m.num_experts})",
-                          f"valid: 1 to {m.num_experts}")
+        raise ConfigError(
+            "model.top_k", f"{m.top_k} is more than model.num_experts ({m.num_experts})", f"valid: 1 to {m.num_experts}"
+        )
     if m.moe_every > m.layers:
-        raise ConfigError("model.moe_every", f"{m.moe_every} is more than model.layers ({m.layers}): no block "
-                          "would be MoE", f"valid: 1 to {m.layers}")
+        raise ConfigError(
+            "model.moe_every",
+            f"{m.moe_every} is more than model.layers ({m.layers}): no block would be MoE",
+            f"valid: 1 to {m.layers}",
+        )
     for key in ("capacity_factor", "aux_loss_coeff", "z_loss_coeff"):
         if getattr(m, key) < 0:
             raise ConfigError(f"model.{key}", f"must be >= 0, got {getattr(m, key)}")
@@ -61,9 +72,14 @@ def validate_moe(cfg: Config) -> None:
 def _valid_tp(cfg: Config) -> list[int]:
     """Tensor-parallel sizes the model's shape can be split by."""
     m = cfg.model
-    return [t for t in range(1, m.heads + 1)
-            if m.heads % t == 0 and (m.kv_heads % t == 0 or t % m.kv_heads == 0)
-            and m.vocab % t == 0 and m.ffn_hidden % t == 0]
+    return [
+        t
+        for t in range(1, m.heads + 1)
+        if m.heads % t == 0
+        and (m.kv_heads % t == 0 or t % m.kv_heads == 0)
+        and m.vocab % t == 0
+        and m.ffn_hidden % t == 0
+    ]
 
 
 def resolve_dp(cfg: Config, world_size: int | None) -> None:
@@ -90,44 +106,72 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
         valid = "valid: " + ", ".join(map(str, _valid_tp(cfg)))
         _divides("parallel.tp", "model.heads", m.heads, "parallel.tp", p.tp, valid)
         if m.kv_heads % p.tp and p.tp % m.kv_heads:
-            raise ConfigError("parallel.tp", f"model.kv_heads ({m.kv_heads}) and parallel.tp ({p.tp}) must divide "
-                              "one another (kv heads are split, or shared by tp/kv_heads ranks)", valid)
-        _divides("parallel.tp", "model.vocab", m.vocab, "parallel.tp", p.tp,
-                 f"pad model.vocab to a multiple of {p.tp}; {valid}")
+            raise ConfigError(
+                "parallel.tp",
+                f"model.kv_heads ({m.kv_heads}) and parallel.tp ({p.tp}) must divide "
+                "one another (kv heads are split, or shared by tp/kv_heads ranks)",
+                valid,
+            )
+        _divides(
+            "parallel.tp",
+            "model.vocab",
+            m.vocab,
+            "parallel.tp",
+            p.tp,
+            f"pad model.vocab to a multiple of {p.tp}; {valid}",
+        )
         _divides("parallel.tp", "model.ffn_hidden", m.ffn_hidden, "parallel.tp", p.tp, valid)
     if p.sp and p.tp == 1:
-        raise ConfigError("parallel.sp", "sequence parallelism needs tensor parallelism", "set parallel.tp > 1 or sp false")
+        raise ConfigError(
+            "parallel.sp", "sequence parallelism needs tensor parallelism", "set parallel.tp > 1 or sp false"
+        )
     if p.sp:
         _divides("parallel.sp", "model.seq_len", m.seq_len, "parallel.tp", p.tp, "seq_len must split evenly over tp")
     _positive("parallel.bucket_mb", p.bucket_mb)
     if p.grad_reduce == "every" and p.zero < 2:
-        raise ConfigError("parallel.grad_reduce", "every micro-batch needs ZeRO 2 or 3 (an all-reduce of ZeRO 0/1 "
-                          f"would add each micro-batch's gradients again; parallel.zero is {p.zero})",
-                          "valid: overlap or after, or parallel.zero 2/3")
+        raise ConfigError(
+            "parallel.grad_reduce",
+            "every micro-batch needs ZeRO 2 or 3 (an all-reduce of ZeRO 0/1 "
+            f"would add each micro-batch's gradients again; parallel.zero is {p.zero})",
+            "valid: overlap or after, or parallel.zero 2/3",
+        )
     if p.dp % p.ep:
-        raise ConfigError("parallel.ep", f"ep ({p.ep}) does not divide dp ({p.dp})",
-                          "experts are carved out of data-parallel ranks: " + _divisors(p.dp))
+        raise ConfigError(
+            "parallel.ep",
+            f"ep ({p.ep}) does not divide dp ({p.dp})",
+            "experts are carved out of data-parallel ranks: " + _divisors(p.dp),
+        )
     if p.ep > 1 and m.num_experts == 0:
         raise ConfigError("parallel.ep", f"{p.ep} needs a mixture-of-experts model", "set model.num_experts or ep 1")
     if m.num_experts and m.num_experts % p.ep:
-        raise ConfigError("parallel.ep", f"model.num_experts ({m.num_experts}) is not divisible by ep ({p.ep})",
-                          "each expert-parallel rank holds an equal share: " + _divisors(m.num_experts))
+        raise ConfigError(
+            "parallel.ep",
+            f"model.num_experts ({m.num_experts}) is not divisible by ep ({p.ep})",
+            "each expert-parallel rank holds an equal share: " + _divisors(m.num_experts),
+        )
     if m.num_experts and p.tp > 1:
         # The MoE layers split their tokens over the TP ranks (experts are not tensor-sharded).
-        _divides("parallel.tp", "model.seq_len", m.seq_len, "parallel.tp", p.tp,
-                 "MoE layers split the sequence over tp")
+        _divides(
+            "parallel.tp", "model.seq_len", m.seq_len, "parallel.tp", p.tp, "MoE layers split the sequence over tp"
+        )
     _checkpoint_keys(cfg)
     world = p.dp * p.tp * p.pp * p.cp
     if world_size is not None and world != world_size:
-        raise ConfigError("parallel", f"dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {world} but torchrun started {world_size} "
-                          "processes", "make the product equal the world size, or set parallel.dp 0")
+        raise ConfigError(
+            "parallel",
+            f"dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {world} but torchrun started {world_size} processes",
+            "make the product equal the world size, or set parallel.dp 0",
+        )
 
 
 def _checkpoint_keys(cfg: Config) -> None:
     c = cfg.checkpoint
     if c.resume == "auto" and not c.dir:
-        raise ConfigError("checkpoint.resume", "'auto' looks for checkpoints in checkpoint.dir, which is empty",
-                          "set --checkpoint.dir DIR or resume from a path")
+        raise ConfigError(
+            "checkpoint.resume",
+            "'auto' looks for checkpoints in checkpoint.dir, which is empty",
+            "set --checkpoint.dir DIR or resume from a path",
+        )
     if c.interval and not c.dir:
         raise ConfigError("checkpoint.interval", f"{c.interval} needs checkpoint.dir", "set --checkpoint.dir DIR")
     if c.async_save and not c.dir:
@@ -149,34 +193,61 @@ def validate_train(cfg: Config) -> None:
     _positive("train.straggler_steps", t.straggler_steps, allow_zero=True)
     _positive("train.recompute_layers", t.recompute_layers, allow_zero=True)
     if t.dtype == "fp16" and t.loss_scale == "none":
-        raise ConfigError("train.loss_scale", "fp16 training without loss scaling underflows gradients",
-                          "valid: auto, dynamic, a number, or train.dtype bf16")
+        raise ConfigError(
+            "train.loss_scale",
+            "fp16 training without loss scaling underflows gradients",
+            "valid: auto, dynamic, a number, or train.dtype bf16",
+        )
     from threefold.distributed.data_parallel import MixedPrecision
 
     _positive("train.initial_loss_scale", t.initial_loss_scale)
     _positive("train.loss_scale_window", t.loss_scale_window)
-    MixedPrecision.from_names("fp32" if t.dtype == "auto" else t.dtype, t.grad_reduce_dtype, t.loss_scale,
-                              t.initial_loss_scale, t.loss_scale_window)
+    MixedPrecision.from_names(
+        "fp32" if t.dtype == "auto" else t.dtype,
+        t.grad_reduce_dtype,
+        t.loss_scale,
+        t.initial_loss_scale,
+        t.loss_scale_window,
+    )
     if t.recompute_layers and t.recompute != "full":
-        raise ConfigError("train.recompute_layers", f"{t.recompute_layers} applies only to full recompute "
-                          f"(train.recompute is {t.recompute!r})", "set train.recompute full or recompute_layers 0")
+        raise ConfigError(
+            "train.recompute_layers",
+            f"{t.recompute_layers} applies only to full recompute (train.recompute is {t.recompute!r})",
+            "set train.recompute full or recompute_layers 0",
+        )
     if t.recompute_layers > cfg.model.layers:
-        raise ConfigError("train.recompute_layers", f"{t.recompute_layers} is more than model.layers "
-                          f"({cfg.model.layers})", f"valid: 0 (all) to {cfg.model.layers}")
+        raise ConfigError(
+            "train.recompute_layers",
+            f"{t.recompute_layers} is more than model.layers ({cfg.model.layers})",
+            f"valid: 0 (all) to {cfg.model.layers}",
+        )
     _validate_eval(cfg)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError("train.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]")
-    _divides("train.global_batch", "train.global_batch", t.global_batch, "parallel.dp", p.dp,
-             "each data-parallel rank takes an equal share")
+    _divides(
+        "train.global_batch",
+        "train.global_batch",
+        t.global_batch,
+        "parallel.dp",
+        p.dp,
+        "each data-parallel rank takes an equal share",
+    )
     per_rank = t.global_batch // p.dp
     if p.microbatches > 0:
-        _divides("parallel.microbatches", "global_batch/dp", per_rank, "parallel.microbatches", p.microbatches,
-                 _divisors(per_rank))
+        _divides(
+            "parallel.microbatches",
+            "global_batch/dp",
+            per_rank,
+            "parallel.microbatches",
+            p.microbatches,
+            _divisors(per_rank),
+        )
         t.micro_batch = per_rank // p.microbatches
     else:
         _positive("train.micro_batch", t.micro_batch)
-        _divides("train.micro_batch", "global_batch/dp", per_rank, "train.micro_batch", t.micro_batch,
-                 _divisors(per_rank))
+        _divides(
+            "train.micro_batch", "global_batch/dp", per_rank, "train.micro_batch", t.micro_batch, _divisors(per_rank)
+        )
         p.microbatches = per_rank // t.micro_batch
     if cfg.log.interval <= 0:
         raise ConfigError("log.interval", f"must be > 0, got {cfg.log.interval}")
@@ -192,8 +263,11 @@ def _validate_eval(cfg: Config) -> None:
     _positive("train.eval_every", t.eval_every, allow_zero=True)
     _positive("train.eval_sequences", t.eval_sequences, allow_zero=True)
     if t.eval_every and d.val_fraction == 0:
-        raise ConfigError("train.eval_every", f"{t.eval_every} needs held-out tokens, but data.val_fraction is 0",
-                          "set e.g. --data.val_fraction 0.01")
+        raise ConfigError(
+            "train.eval_every",
+            f"{t.eval_every} needs held-out tokens, but data.val_fraction is 0",
+            "set e.g. --data.val_fraction 0.01",
+        )
 
 
 def validate_log(cfg: Config) -> None:
@@ -206,16 +280,23 @@ def validate_log(cfg: Config) -> None:
     try:
         steps = parse_trace_steps(log.trace_steps)
     except ValueError:
-        raise ConfigError("log.trace_steps", f"{log.trace_steps!r} is not a list of step numbers",
-                          "e.g. '5,6' (steps count from 1)") from None
+        raise ConfigError(
+            "log.trace_steps", f"{log.trace_steps!r} is not a list of step numbers", "e.g. '5,6' (steps count from 1)"
+        ) from None
     if steps and not log.spans:
         raise ConfigError("log.trace_steps", "needs log.spans true", "set --log.spans true")
     if steps and max(steps) > cfg.train.steps:
-        raise ConfigError("log.trace_steps", f"step {max(steps)} is past train.steps ({cfg.train.steps})",
-                          f"valid: 1..{cfg.train.steps}")
+        raise ConfigError(
+            "log.trace_steps",
+            f"step {max(steps)} is past train.steps ({cfg.train.steps})",
+            f"valid: 1..{cfg.train.steps}",
+        )
     if log.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("log.tensorboard", "the tensorboard package is not installed",
-                          "pip install 'threefold[tensorboard]' or set log.tensorboard false")
+        raise ConfigError(
+            "log.tensorboard",
+            "the tensorboard package is not installed",
+            "pip install 'threefold[tensorboard]' or set log.tensorboard false",
+        )
 
 
 def validate_pipeline(cfg: Config) -> None:
@@ -226,9 +307,11 @@ def validate_pipeline(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     stages = p.pp * p.vpp
     if stages > m.layers:
-        raise ConfigError("parallel.vpp" if p.vpp > 1 else "parallel.pp",
-                          f"pp*vpp = {stages} virtual stages but model.layers is {m.layers}",
-                          "each virtual stage needs at least one layer")
+        raise ConfigError(
+            "parallel.vpp" if p.vpp > 1 else "parallel.pp",
+            f"pp*vpp = {stages} virtual stages but model.layers is {m.layers}",
+            "each virtual stage needs at least one layer",
+        )
     if p.stage_layers:
         parse_stage_layers(p.stage_layers, m.layers, stages)
     check_args(p.schedule, p.pp, p.microbatches, p.vpp)

@@ -1,4 +1,5 @@
 """`threefold checkpoint info DIR`, `export DIR OUT`, and `import-hf` / `export-hf` (threefold.interop)."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ def consolidated(directory: Path, manifest: Manifest, prefix: str = "model/") ->
                 files[shard.file] = torch.load(directory / shard.file, map_location="cpu", mmap=True, weights_only=True)
             region = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.lengths))
             full[region] = files[shard.file][shard.key]
-        out[name[len(prefix):]] = full
+        out[name[len(prefix) :]] = full
     return out
 
 
@@ -47,15 +48,20 @@ def _export(args) -> int:
     try:
         from safetensors.torch import save_file
     except ImportError:
-        raise UserError("checkpoint export writes safetensors: install it with "
-                        "`pip install safetensors` (or the [safetensors] extra)") from None
+        raise UserError(
+            "checkpoint export writes safetensors: install it with "
+            "`pip install safetensors` (or the [safetensors] extra)"
+        ) from None
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: exists and is not empty (refusing to overwrite)")
     out.mkdir(parents=True, exist_ok=True)
     tensors = consolidated(directory, manifest)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"step": str(manifest.step), "format": "threefold"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"step": str(manifest.step), "format": "threefold"},
+    )
     import json
 
     (out / "config.json").write_text(json.dumps(manifest.config, indent=1))

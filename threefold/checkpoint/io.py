@@ -6,6 +6,7 @@ checksums; rank 0 writes the manifest, renames the directory to `step_N` and onl
 Load: intersect each local slice with the shards on disk (files memory-mapped, read with
 weights_only=True), so any layout loads any checkpoint of the same model.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,9 +15,20 @@ from pathlib import Path
 
 import torch
 
-from threefold.checkpoint.manifest import (LATEST, MANIFEST, CheckpointError, Manifest, Shard, TensorEntry,
-                                           fsync_dir, list_checkpoints, sha256_of, step_dir_name, verify,
-                                           write_atomic)
+from threefold.checkpoint.manifest import (
+    LATEST,
+    MANIFEST,
+    CheckpointError,
+    Manifest,
+    Shard,
+    TensorEntry,
+    fsync_dir,
+    list_checkpoints,
+    sha256_of,
+    step_dir_name,
+    verify,
+    write_atomic,
+)
 from threefold.checkpoint.state import LocalTensor
 from threefold.distributed import comm
 
@@ -32,15 +44,30 @@ def snapshot(tensors: list[LocalTensor], copy: bool) -> list[tuple[LocalTensor, 
     return out
 
 
-def save(root: str | Path, step: int, tensors: list[LocalTensor], config: dict, layout: dict,
-         extra: dict | None = None, keep: int = 0) -> Path | None:
+def save(
+    root: str | Path,
+    step: int,
+    tensors: list[LocalTensor],
+    config: dict,
+    layout: dict,
+    extra: dict | None = None,
+    keep: int = 0,
+) -> Path | None:
     """Write a checkpoint of `step` (collective over the job's default group); returns its
     directory on rank 0."""
     return write(root, step, snapshot(tensors, copy=False), config, layout, extra, keep)
 
 
-def write(root: str | Path, step: int, shards: list[tuple[LocalTensor, torch.Tensor]], config: dict,
-          layout: dict, extra: dict | None = None, keep: int = 0, group: comm.Group | None = None) -> Path | None:
+def write(
+    root: str | Path,
+    step: int,
+    shards: list[tuple[LocalTensor, torch.Tensor]],
+    config: dict,
+    layout: dict,
+    extra: dict | None = None,
+    keep: int = 0,
+    group: comm.Group | None = None,
+) -> Path | None:
     """Write, verify and publish a snapshot: collective over `group` (None = the job's default
     group); returns the published directory on rank 0."""
     group = group or comm.job_group()
@@ -59,9 +86,22 @@ def write(root: str | Path, step: int, shards: list[tuple[LocalTensor, torch.Ten
         torch.save(mine, f)
         f.flush()
         os.fsync(f.fileno())
-    report = {"file": file, "bytes": path.stat().st_size, "sha256": sha256_of(path),
-              "tensors": [(t.name, key[id(t)], list(t.global_shape), str(host.dtype).replace("torch.", ""),
-                           list(t.offsets), list(t.lengths)) for t, host in shards]}
+    report = {
+        "file": file,
+        "bytes": path.stat().st_size,
+        "sha256": sha256_of(path),
+        "tensors": [
+            (
+                t.name,
+                key[id(t)],
+                list(t.global_shape),
+                str(host.dtype).replace("torch.", ""),
+                list(t.offsets),
+                list(t.lengths),
+            )
+            for t, host in shards
+        ],
+    }
     reports = comm.all_gather_objects(report, group)
     if rank == 0:
         entries: dict[str, TensorEntry] = {}
@@ -129,8 +169,9 @@ def load_into(tensors: list[LocalTensor], directory: Path, manifest: Manifest) -
         if entry is None:
             raise CheckpointError(f"{directory}: has no tensor {t.name!r} (a checkpoint of another model?)")
         if tuple(entry.shape) != tuple(t.global_shape):
-            raise CheckpointError(f"{directory}: {t.name} has shape {tuple(entry.shape)}, this model needs "
-                                  f"{tuple(t.global_shape)}")
+            raise CheckpointError(
+                f"{directory}: {t.name} has shape {tuple(entry.shape)}, this model needs {tuple(t.global_shape)}"
+            )
         filled = 0
         for shard in entry.shards:
             lo = [max(a, b) for a, b in zip(shard.offsets, t.offsets)]
@@ -149,8 +190,9 @@ def load_into(tensors: list[LocalTensor], directory: Path, manifest: Manifest) -
             raise CheckpointError(f"{directory}: shards of {t.name} cover {filled} of {t.tensor.numel()} elements")
 
 
-def save_whole(root: str | Path, step: int, tensors: dict[str, torch.Tensor], config: dict, layout: dict,
-               extra: dict | None = None) -> Path:
+def save_whole(
+    root: str | Path, step: int, tensors: dict[str, torch.Tensor], config: dict, layout: dict, extra: dict | None = None
+) -> Path:
     """Whole (unsharded) tensors as a one-file checkpoint written by this process alone, through
     the same write and atomic publish as a training save: an imported model is then an ordinary
     checkpoint that any layout loads by slicing."""

@@ -9,6 +9,7 @@
 A shard is described in global coordinates (offsets and lengths per dimension, as Megatron's
 ShardedTensor does), so loading into another layout is a matter of intersecting slices.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -57,19 +58,22 @@ class Manifest:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
     @classmethod
-    def read(cls, directory: Path) -> "Manifest":
+    def read(cls, directory: Path) -> Manifest:
         path = directory / MANIFEST
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise CheckpointError(f"{directory}: no {MANIFEST} (not a threefold checkpoint, or an unfinished save)") \
-                from None
+            raise CheckpointError(
+                f"{directory}: no {MANIFEST} (not a threefold checkpoint, or an unfinished save)"
+            ) from None
         except (OSError, ValueError) as err:
             raise CheckpointError(f"{path}: unreadable manifest ({err})") from None
         if data.get("format") != FORMAT:
             raise CheckpointError(f"{path}: format {data.get('format')!r} is not {FORMAT!r}")
-        tensors = {name: TensorEntry(e["shape"], e["dtype"], [Shard(**s) for s in e["shards"]])
-                   for name, e in data["tensors"].items()}
+        tensors = {
+            name: TensorEntry(e["shape"], e["dtype"], [Shard(**s) for s in e["shards"]])
+            for name, e in data["tensors"].items()
+        }
         return cls(data["step"], data["config"], data["layout"], tensors, data["files"], data.get("extra", {}))
 
 

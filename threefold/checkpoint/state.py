@@ -5,6 +5,7 @@ unsharded model. Tensor-parallel shards carry their slice from `shard_specs`; ev
 is the whole tensor. Of the ranks holding the same slice (data-parallel replicas, and the TP
 ranks of a replicated tensor) exactly one writes it, so the shards of a checkpoint never overlap.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -77,8 +78,11 @@ def _engine_state(engine, names: dict, grid) -> list[LocalTensor]:
             full = tuple(spec.full_shape)
             offsets[spec.dim] += spec.start
         tp_sharded = spec is not None and group == "tp"
-        write = ((engine.zero >= 1 or engine.group.rank == 0)
-                 and (tp_sharded or not tp_replicated or grid.tp_rank == 0) and not alias)
+        write = (
+            (engine.zero >= 1 or engine.group.rank == 0)
+            and (tp_sharded or not tp_replicated or grid.tp_rank == 0)
+            and not alias
+        )
         for kind, tensor in piece.tensors.items():
             out.append(LocalTensor(f"{KINDS[kind]}/{name}", tensor, full, tuple(offsets), write))
     return out

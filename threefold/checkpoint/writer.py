@@ -6,6 +6,7 @@ protocol as a synchronous save (temporary directory, manifest, rename, `latest` 
 crash at any moment still leaves the previous checkpoint intact. At most one save is in
 flight: the next save, a rollback and the end of training wait for it.
 """
+
 from __future__ import annotations
 
 import threading
@@ -17,8 +18,16 @@ from threefold.distributed import comm
 
 
 class Checkpointer:
-    def __init__(self, root: str, state: list[LocalTensor], config: dict, layout: dict, keep: int,
-                 asynchronous: bool, on_published=lambda step, directory: None):
+    def __init__(
+        self,
+        root: str,
+        state: list[LocalTensor],
+        config: dict,
+        layout: dict,
+        keep: int,
+        asynchronous: bool,
+        on_published=lambda step, directory: None,
+    ):
         self.root, self.state, self.config, self.layout, self.keep = root, state, config, layout, keep
         self.asynchronous, self.on_published = asynchronous, on_published
         self._thread: threading.Thread | None = None
@@ -44,8 +53,9 @@ class Checkpointer:
         if not self.asynchronous:
             self._publish(step, shards, extra, None)
             return time.perf_counter() - t0
-        self._thread = threading.Thread(target=self._run, args=(step, shards, extra), name="threefold-checkpoint",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(step, shards, extra), name="threefold-checkpoint", daemon=True
+        )
         self._thread.start()
         return time.perf_counter() - t0
 

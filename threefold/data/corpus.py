@@ -4,6 +4,7 @@ Byte-level corpora (text files, or the Python stdlib by default) are tokenized o
 uint16 cache file; later runs, and every rank of a multi-process run, just map that file.
 Pre-tokenized `.bin` files are mapped directly and only checked against the vocabulary.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -58,8 +59,9 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("THREEFOLD_CACHE") or Path.home() / ".cache" / "threefold")
 
 
-def load_tokens(path: str, vocab: int = 0, dtype: str = "uint16", cache_dir: str = "",
-                tokenizer: str = "") -> TokenFile:
+def load_tokens(
+    path: str, vocab: int = 0, dtype: str = "uint16", cache_dir: str = "", tokenizer: str = ""
+) -> TokenFile:
     """Map the corpus at `path` ("" = stdlib sources; a `.bin` file = pre-tokenized ids).
 
     `vocab` is the model's vocabulary: required for `.bin` (unless a `tokenizer` file gives it),
@@ -76,19 +78,23 @@ def load_tokens(path: str, vocab: int = 0, dtype: str = "uint16", cache_dir: str
         return _load_bin(Path(path), vocab or (tok.vocab_size if tokenizer else 0), dtype)
 
     if vocab and vocab < tok.vocab_size:
-        raise ConfigError("data.vocab", f"{vocab} is smaller than the tokenizer's "
-                          f"{tok.vocab_size} ids", f"0 or >= {tok.vocab_size} for a text corpus")
+        raise ConfigError(
+            "data.vocab",
+            f"{vocab} is smaller than the tokenizer's {tok.vocab_size} ids",
+            f"0 or >= {tok.vocab_size} for a text corpus",
+        )
     if path:
         root = Path(path)
         if not root.exists():
-            raise DataError(f"{root}: no such file or directory (data.path must be a text "
-                            "file, a directory of text files, a .bin token file, or empty "
-                            "for the Python stdlib)")
+            raise DataError(
+                f"{root}: no such file or directory (data.path must be a text "
+                "file, a directory of text files, a .bin token file, or empty "
+                "for the Python stdlib)"
+            )
         files = _text_files(root)
         if not files:
             what = "file is empty" if root.is_file() else "directory has no non-empty files"
-            raise DataError(f"{root}: {what} (data.path needs at least one non-empty "
-                            "UTF-8 text file)")
+            raise DataError(f"{root}: {what} (data.path needs at least one non-empty UTF-8 text file)")
         label = str(root)
     else:
         root = Path(sysconfig.get_paths()["stdlib"])
@@ -97,30 +103,37 @@ def load_tokens(path: str, vocab: int = 0, dtype: str = "uint16", cache_dir: str
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     tokens, meta = _cached_tokens(root, files, tok, cache)
     kind = "byte" if isinstance(tok, ByteTokenizer) else f"{tok.vocab_size}-id {Path(tok.path).name}"
-    source = (f"{label}: {meta['documents']} files, {meta['num_tokens']:,} {kind} tokens"
-              + (f", {meta['skipped']} binary/non-UTF-8 files skipped" if meta["skipped"] else ""))
+    source = f"{label}: {meta['documents']} files, {meta['num_tokens']:,} {kind} tokens" + (
+        f", {meta['skipped']} binary/non-UTF-8 files skipped" if meta["skipped"] else ""
+    )
     return TokenFile(tokens, vocab or tok.vocab_size, source)
 
 
 def _load_bin(path: Path, vocab: int, dtype: str) -> TokenFile:
     if not vocab:
-        raise ConfigError("data.vocab", f"must be set for the pre-tokenized file {path}",
-                          "the tokenizer's vocabulary size, > 0")
+        raise ConfigError(
+            "data.vocab", f"must be set for the pre-tokenized file {path}", "the tokenizer's vocabulary size, > 0"
+        )
     if not path.is_file():
-        raise DataError(f"{path}: no such token file (data.path ending in .bin must be a raw "
-                        f"{dtype} array of token ids)")
+        raise DataError(
+            f"{path}: no such token file (data.path ending in .bin must be a raw {dtype} array of token ids)"
+        )
     size, item = path.stat().st_size, np.dtype(dtype).itemsize
     if size == 0:
         raise DataError(f"{path}: token file is empty (expected a raw {dtype} array)")
     if size % item:
-        raise DataError(f"{path}: size {size} bytes is not a multiple of {item} "
-                        f"(is data.dtype={dtype} right? valid: uint16, uint32)")
+        raise DataError(
+            f"{path}: size {size} bytes is not a multiple of {item} "
+            f"(is data.dtype={dtype} right? valid: uint16, uint32)"
+        )
     tokens = np.memmap(path, dtype=dtype, mode="r")
     # Scan in chunks: a multi-GB corpus must not be pulled into RAM just to be checked.
-    top = max(int(tokens[i:i + _CHECK_CHUNK].max()) for i in range(0, len(tokens), _CHECK_CHUNK))
+    top = max(int(tokens[i : i + _CHECK_CHUNK].max()) for i in range(0, len(tokens), _CHECK_CHUNK))
     if top >= vocab:
-        raise DataError(f"{path}: token id {top} found but data.vocab is {vocab} "
-                        f"(ids must be < vocab; wrong vocab or data.dtype={dtype}?)")
+        raise DataError(
+            f"{path}: token id {top} found but data.vocab is {vocab} "
+            f"(ids must be < vocab; wrong vocab or data.dtype={dtype}?)"
+        )
     return TokenFile(tokens, vocab, f"{path}: {len(tokens):,} {dtype} tokens, vocab {vocab}")
 
 
@@ -164,11 +177,15 @@ def _cached_tokens(root, files, tok, cache: Path) -> tuple[np.memmap, dict]:
             meta = _build_cache(files, tok, bin_path, key)
             _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
         except OSError as e:
-            raise DataError(f"{cache}: cannot write the token cache ({e.strerror}; set "
-                            "data.cache_dir or $THREEFOLD_CACHE to a writable directory)")
+            raise DataError(
+                f"{cache}: cannot write the token cache ({e.strerror}; set "
+                "data.cache_dir or $THREEFOLD_CACHE to a writable directory)"
+            ) from None
     if meta["num_tokens"] == 0:
-        raise DataError(f"{root}: no UTF-8 text found ({meta['skipped']} binary or "
-                        "non-UTF-8 files skipped; data.path needs text files)")
+        raise DataError(
+            f"{root}: no UTF-8 text found ({meta['skipped']} binary or "
+            "non-UTF-8 files skipped; data.path needs text files)"
+        )
     return np.memmap(bin_path, dtype=meta["dtype"], mode="r"), meta
 
 
@@ -195,7 +212,7 @@ def _documents(files, skipped: list):
         try:
             data = f.read_bytes()
         except OSError as e:
-            raise DataError(f"{f}: cannot read corpus file ({e.strerror})")
+            raise DataError(f"{f}: cannot read corpus file ({e.strerror})") from None
         # NUL is the byte-level document separator, so a file containing it is binary to us.
         if b"\0" in data or not _is_utf8(data):
             skipped.append(rel)
@@ -242,8 +259,13 @@ def write_token_file(files, tok, bin_path: Path, batch: int = 64) -> dict:
         flush()
 
     _atomic_write(bin_path, write)
-    return {"tokenizer": tok.name, "dtype": dtype, "num_tokens": num_tokens, "documents": documents,
-            "skipped": len(skipped)}
+    return {
+        "tokenizer": tok.name,
+        "dtype": dtype,
+        "num_tokens": num_tokens,
+        "documents": documents,
+        "skipped": len(skipped),
+    }
 
 
 def _is_utf8(data: bytes) -> bool:

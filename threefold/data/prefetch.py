@@ -3,12 +3,14 @@
 `get` reports how long it blocked: that is the data-wait time of the step, the number that
 says whether the input pipeline (not the model) is the bottleneck.
 """
+
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 _POLL_S = 0.05  # how often a blocked put/get re-checks for close() or a dead producer
@@ -17,8 +19,7 @@ _POLL_S = 0.05  # how often a blocked put/get re-checks for close() or a dead pr
 class Prefetcher(Generic[T]):
     """Items produce(step) for start_step <= step < end_step, consumed strictly in order."""
 
-    def __init__(self, produce: Callable[[int], T], start_step: int, end_step: int,
-                 depth: int = 2):
+    def __init__(self, produce: Callable[[int], T], start_step: int, end_step: int, depth: int = 2):
         if depth < 0:
             raise ValueError(f"prefetch depth must be >= 0, got {depth}")
         self._produce, self._next, self._end = produce, start_step, end_step
@@ -26,8 +27,9 @@ class Prefetcher(Generic[T]):
         self._thread = None
         if depth > 0 and start_step < end_step:
             self._queue: queue.Queue = queue.Queue(depth)
-            self._thread = threading.Thread(target=self._run, args=(start_step,),
-                                            name="threefold-prefetch", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, args=(start_step,), name="threefold-prefetch", daemon=True
+            )
             self._thread.start()
 
     def _run(self, step: int) -> None:
@@ -51,8 +53,9 @@ class Prefetcher(Generic[T]):
         if self._stop.is_set():
             raise RuntimeError("Prefetcher.get after close()")
         if step != self._next:
-            raise RuntimeError(f"Prefetcher: asked for step {step}, expected {self._next} "
-                               "(steps must be consumed in order)")
+            raise RuntimeError(
+                f"Prefetcher: asked for step {step}, expected {self._next} (steps must be consumed in order)"
+            )
         if not step < self._end:
             raise RuntimeError(f"Prefetcher: step {step} is past the end step {self._end}")
         t0 = time.perf_counter()
@@ -66,7 +69,7 @@ class Prefetcher(Generic[T]):
                 break
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
-                    raise RuntimeError("Prefetcher: producer thread exited unexpectedly")
+                    raise RuntimeError("Prefetcher: producer thread exited unexpectedly") from None
         wait = time.perf_counter() - t0
         if err is not None:
             self.close()
@@ -88,7 +91,7 @@ class Prefetcher(Generic[T]):
             if self._thread is not threading.current_thread():
                 self._thread.join(timeout)
 
-    def __enter__(self) -> "Prefetcher[T]":
+    def __enter__(self) -> Prefetcher[T]:
         return self
 
     def __exit__(self, *exc) -> None:

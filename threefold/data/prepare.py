@@ -7,6 +7,7 @@ which separates documents as byte 0 does in byte-level streams) and DIR/tokens.b
 uint32 above 65536 ids), and prints the keys that train on them. The corpus is found exactly as
 `threefold train` finds it: a text file, a directory of text files, or the Python stdlib.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,13 +42,18 @@ def train_bpe(texts: list[str], vocab: int):
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError:
-        raise UserError("threefold data prepare trains with the tokenizers package: `pip install tokenizers` "
-                        "(or the [hf] extra)") from None
+        raise UserError(
+            "threefold data prepare trains with the tokenizers package: `pip install tokenizers` (or the [hf] extra)"
+        ) from None
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[END_OF_TEXT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=[END_OF_TEXT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer, length=len(texts))
     return tok
 
@@ -81,8 +87,12 @@ def data_command(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     meta = prepare(args.path, args.out, args.vocab)
     out = Path(args.out)
-    print(f"wrote {out / 'tokenizer.json'} ({meta['vocab']} ids) and {out / 'tokens.bin'} "
-          f"({meta['num_tokens']:,} {meta['dtype']} tokens from {meta['documents']} documents)")
-    print(f"train with: --data.path {out / 'tokens.bin'} --data.dtype {meta['dtype']} --data.vocab {meta['vocab']} "
-          f"--data.tokenizer {out / 'tokenizer.json'} --model.vocab {meta['vocab']}")
+    print(
+        f"wrote {out / 'tokenizer.json'} ({meta['vocab']} ids) and {out / 'tokens.bin'} "
+        f"({meta['num_tokens']:,} {meta['dtype']} tokens from {meta['documents']} documents)"
+    )
+    print(
+        f"train with: --data.path {out / 'tokens.bin'} --data.dtype {meta['dtype']} --data.vocab {meta['vocab']} "
+        f"--data.tokenizer {out / 'tokenizer.json'} --model.vocab {meta['vocab']}"
+    )
     return 0

@@ -7,6 +7,7 @@ e = j // N, with perm_e seeded by (seed, e). The batch at a step therefore depen
 (seed, step, global_batch, seq_len, num_tokens): changing dp size or micro-batch size, or
 resuming from a checkpoint at step k, reproduces exactly the same sequences.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,10 +29,12 @@ class GlobalBatchSampler:
         self.num_windows = max(0, (self.num_tokens - 1) // self.seq_len)
         if self.num_windows < self.global_batch:
             need = self.global_batch * self.seq_len + 1
-            raise DataError(f"corpus has {self.num_tokens:,} tokens, too few for one global "
-                            f"batch of {self.global_batch} x {self.seq_len}-token sequences "
-                            f"(needs at least {need:,}; use more data or a smaller "
-                            "train.global_batch / model.seq_len)")
+            raise DataError(
+                f"corpus has {self.num_tokens:,} tokens, too few for one global "
+                f"batch of {self.global_batch} x {self.seq_len}-token sequences "
+                f"(needs at least {need:,}; use more data or a smaller "
+                "train.global_batch / model.seq_len)"
+            )
         self._perms: dict[int, np.ndarray] = {}  # the one or two epochs the current step spans
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -54,29 +57,35 @@ class GlobalBatchSampler:
             out[mask] = self._perm(int(e))[pos[mask]]
         return out
 
-    def microbatches(self, tokens: np.ndarray, step: int, dp_rank: int, dp_size: int,
-                     micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def microbatches(
+        self, tokens: np.ndarray, step: int, dp_rank: int, dp_size: int, micro_batch: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This data-parallel rank's share of the step, as (inputs, targets) int64 CPU tensors
         of shape (micro_batch, seq_len), in the order of the global batch."""
         if dp_size < 1 or self.global_batch % dp_size:
-            raise ConfigError("train.global_batch", f"{self.global_batch} is not divisible "
-                              f"by the data-parallel size {dp_size}",
-                              "a multiple of dp size x micro_batch")
+            raise ConfigError(
+                "train.global_batch",
+                f"{self.global_batch} is not divisible by the data-parallel size {dp_size}",
+                "a multiple of dp size x micro_batch",
+            )
         local = self.global_batch // dp_size
         if micro_batch < 1 or local % micro_batch:
-            raise ConfigError("train.micro_batch", f"{micro_batch} does not divide the "
-                              f"per-rank batch {local} (global_batch {self.global_batch} / "
-                              f"dp {dp_size})", f"a divisor of {local}")
+            raise ConfigError(
+                "train.micro_batch",
+                f"{micro_batch} does not divide the "
+                f"per-rank batch {local} (global_batch {self.global_batch} / "
+                f"dp {dp_size})",
+                f"a divisor of {local}",
+            )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
         if len(tokens) != self.num_tokens:
-            raise ValueError(f"token stream has {len(tokens)} tokens, sampler was built for "
-                             f"{self.num_tokens}")
-        windows = self.global_windows(step)[dp_rank * local:(dp_rank + 1) * local]
+            raise ValueError(f"token stream has {len(tokens)} tokens, sampler was built for {self.num_tokens}")
+        windows = self.global_windows(step)[dp_rank * local : (dp_rank + 1) * local]
         offsets = np.arange(self.seq_len + 1, dtype=np.int64)
         out = []
         for m in range(0, local, micro_batch):
-            starts = windows[m:m + micro_batch] * self.seq_len
+            starts = windows[m : m + micro_batch] * self.seq_len
             # Fancy indexing reads only these rows from the memmap, not the whole corpus.
             rows = torch.from_numpy(np.asarray(tokens[starts[:, None] + offsets], dtype=np.int64))
             out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
@@ -84,13 +93,19 @@ class GlobalBatchSampler:
 
     def state_dict(self) -> dict:
         """Everything that fixes the sample order; the step itself is the position."""
-        return {"seed": self.seed, "global_batch": self.global_batch,
-                "seq_len": self.seq_len, "num_tokens": self.num_tokens}
+        return {
+            "seed": self.seed,
+            "global_batch": self.global_batch,
+            "seq_len": self.seq_len,
+            "num_tokens": self.num_tokens,
+        }
 
     def check_state(self, state: dict) -> None:
         """On resume: refuse to continue with a different order than the checkpoint's."""
         for key, value in self.state_dict().items():
             if key in state and state[key] != value:
-                raise DataError(f"checkpoint data order has {key}={state[key]} but this run "
-                                f"has {key}={value} (resume with the same data and "
-                                "seed/global_batch/seq_len, or start a new run)")
+                raise DataError(
+                    f"checkpoint data order has {key}={state[key]} but this run "
+                    f"has {key}={value} (resume with the same data and "
+                    "seed/global_batch/seq_len, or start a new run)"
+                )

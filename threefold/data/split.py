@@ -6,6 +6,7 @@ its in-training evaluation and a later `threefold eval` agree on it. With val_fr
 is no split: training samples the whole stream (exactly as before the split existed) and
 `threefold eval` reads the whole stream.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,9 @@ def training_part(tokens: TokenFile, val_fraction: float) -> TokenFile:
     if val_fraction == 0:
         return tokens
     end = split_point(len(tokens), val_fraction)
-    return dataclasses.replace(tokens, tokens=tokens.tokens[:end],
-                               source=f"{tokens.source}; last {len(tokens) - end:,} held out")
+    return dataclasses.replace(
+        tokens, tokens=tokens.tokens[:end], source=f"{tokens.source}; last {len(tokens) - end:,} held out"
+    )
 
 
 def heldout_starts(num_tokens: int, seq_len: int, val_fraction: float, limit: int = 0) -> np.ndarray:
@@ -41,6 +43,8 @@ def heldout_starts(num_tokens: int, seq_len: int, val_fraction: float, limit: in
     if limit > 0:
         count = min(count, limit)
     if count == 0:
-        raise DataError(f"the held-out part has {num_tokens - start:,} tokens, fewer than one window of "
-                        f"{seq_len + 1} (raise data.val_fraction or use a shorter model.seq_len)")
+        raise DataError(
+            f"the held-out part has {num_tokens - start:,} tokens, fewer than one window of "
+            f"{seq_len + 1} (raise data.val_fraction or use a shorter model.seq_len)"
+        )
     return start + seq_len * np.arange(count, dtype=np.int64)

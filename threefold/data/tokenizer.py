@@ -1,5 +1,6 @@
 """Tokenizers: byte-level (every UTF-8 byte is a token, no vocabulary file, no dependency), or a
 tokenizer.json through the `tokenizers` package."""
+
 from __future__ import annotations
 
 # Byte 0 separates documents. Text files that contain it are treated as binary and skipped,
@@ -39,12 +40,14 @@ class FileTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise UserError(f"data.tokenizer {path} needs the tokenizers package: `pip install tokenizers` "
-                            "(or the [hf] extra)") from None
+            raise UserError(
+                f"data.tokenizer {path} needs the tokenizers package: `pip install tokenizers` (or the [hf] extra)"
+            ) from None
         p = Path(path)
         if not p.is_file():
-            raise DataError(f"{path}: no such tokenizer file (data.tokenizer must be a tokenizer.json, or '' for "
-                            "byte-level)")
+            raise DataError(
+                f"{path}: no such tokenizer file (data.tokenizer must be a tokenizer.json, or '' for byte-level)"
+            )
         try:
             self.tok = Tokenizer.from_file(str(p))
         except Exception as err:  # the Rust side raises plain Exception with its own message
@@ -67,7 +70,7 @@ class FileTokenizer:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def open_tokenizer(path: str = "") -> "ByteTokenizer | FileTokenizer":
+def open_tokenizer(path: str = "") -> ByteTokenizer | FileTokenizer:
     """The tokenizer data.tokenizer names ('' = byte-level, no dependency)."""
     return FileTokenizer(path) if path else ByteTokenizer()
 
@@ -77,6 +80,8 @@ def check_vocab(tokenizer, model_vocab: int, where: str) -> None:
     from threefold.errors import DataError
 
     if tokenizer.vocab_size > model_vocab:
-        raise DataError(f"{where}: tokenizer has {tokenizer.vocab_size} ids but model.vocab is {model_vocab} "
-                        f"(use a tokenizer of at most {model_vocab} ids, or a model with model.vocab >= "
-                        f"{tokenizer.vocab_size})")
+        raise DataError(
+            f"{where}: tokenizer has {tokenizer.vocab_size} ids but model.vocab is {model_vocab} "
+            f"(use a tokenizer of at most {model_vocab} ids, or a model with model.vocab >= "
+            f"{tokenizer.vocab_size})"
+        )

@@ -16,6 +16,7 @@ Each data-plane function takes the `Group` it talks to (distributed/grid.py) and
 Asynchronous calls (`async_op=True`) return torch's work handle; `wait()` on it (NCCL: the
 current stream waits; gloo: the host waits).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -99,8 +100,10 @@ def nbytes(x: torch.Tensor) -> int:
 
 def _check(x: torch.Tensor, group: Group, what: str) -> None:
     if group.device is not None and x.device.type != group.device.type:
-        raise RuntimeError(f"{what} over the {group.name} group: the tensor is on {x.device}, the group "
-                           f"communicates on {group.device.type} (NCCL takes device tensors only)")
+        raise RuntimeError(
+            f"{what} over the {group.name} group: the tensor is on {x.device}, the group "
+            f"communicates on {group.device.type} (NCCL takes device tensors only)"
+        )
 
 
 def _timed(group: Group):
@@ -118,11 +121,13 @@ def _run(group: Group, kind: str, size: int, fn, async_op: bool):
 
 # --- collectives -------------------------------------------------------------------------------
 
+
 def all_reduce(x: torch.Tensor, group: Group, op=SUM, async_op: bool = False):
     """All-reduce `x` in place (contiguous). Returns `x`, or the work handle with async_op."""
     _check(x, group, "all_reduce")
-    work = _run(group, "all_reduce", nbytes(x), lambda a: dist.all_reduce(x, op=op, group=group.pg, async_op=a),
-                async_op)
+    work = _run(
+        group, "all_reduce", nbytes(x), lambda a: dist.all_reduce(x, op=op, group=group.pg, async_op=a), async_op
+    )
     return work if async_op else x
 
 
@@ -142,8 +147,9 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: 
     if group.size == 1:
         out.copy_(x.reshape(out.shape))
         return None
-    return _run(group, "all_gather", nbytes(out), lambda a: _all_gather_flat(out, x, group=group.pg, async_op=a),
-                async_op)
+    return _run(
+        group, "all_gather", nbytes(out), lambda a: _all_gather_flat(out, x, group=group.pg, async_op=a), async_op
+    )
 
 
 def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool = False):
@@ -152,8 +158,13 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group, async_
     if group.size == 1:
         out.copy_(x.reshape(out.shape))
         return None
-    return _run(group, "reduce_scatter", nbytes(x),
-                lambda a: _reduce_scatter_flat(out, x, op=SUM, group=group.pg, async_op=a), async_op)
+    return _run(
+        group,
+        "reduce_scatter",
+        nbytes(x),
+        lambda a: _reduce_scatter_flat(out, x, op=SUM, group=group.pg, async_op=a),
+        async_op,
+    )
 
 
 def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -180,16 +191,27 @@ def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
-def all_to_all(out: torch.Tensor, x: torch.Tensor, group: Group, out_splits: list[int] | None = None,
-               in_splits: list[int] | None = None) -> torch.Tensor:
+def all_to_all(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    group: Group,
+    out_splits: list[int] | None = None,
+    in_splits: list[int] | None = None,
+) -> torch.Tensor:
     """Rows of `x` to every rank (in_splits[j] rows to rank j, even splits when None); rank i's
     rows for us land in `out` (out_splits[i] rows)."""
     _check(x, group, "all_to_all")
     if group.size == 1:
         return out.copy_(x)
-    _run(group, "all_to_all", nbytes(x),
-         lambda a: dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                                          group=group.pg, async_op=a), False)
+    _run(
+        group,
+        "all_to_all",
+        nbytes(x),
+        lambda a: dist.all_to_all_single(
+            out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group.pg, async_op=a
+        ),
+        False,
+    )
     return out
 
 
@@ -207,6 +229,7 @@ def barrier(group: Group) -> None:
 
 
 # --- point to point ----------------------------------------------------------------------------
+
 
 def batch_send_recv(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list:
     """Post ("send" | "recv", tensor, peer index in the group) operations together; returns the
@@ -236,6 +259,7 @@ def recv(x: torch.Tensor, group: Group, peer: int) -> torch.Tensor:
 
 # --- Python objects (rare: reports, checkpoint manifests) --------------------------------------
 
+
 def all_gather_objects(obj, group: Group) -> list:
     """Every rank's picklable `obj`, in the group's rank order."""
     if group.size == 1:
@@ -258,6 +282,7 @@ def gather_objects(obj, group: Group) -> list | None:
 
 
 # --- the job's process group: start, groups, end -----------------------------------------------
+
 
 def is_initialized() -> bool:
     return dist.is_initialized()

@@ -17,6 +17,7 @@
 `span(category)` times each part as its span category (dp_exposed, tp_comm, sync,
 optimizer); the step's observer passes its phase, or nothing when spans are off.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,9 @@ def _untimed(category: str):
     return contextlib.nullcontext()
 
 
-def finalize_grads(engine, grid, partial: list[nn.Parameter], tied: list[nn.Parameter],
-                   tied_copy: list[nn.Parameter], span=_untimed) -> torch.Tensor:
+def finalize_grads(
+    engine, grid, partial: list[nn.Parameter], tied: list[nn.Parameter], tied_copy: list[nn.Parameter], span=_untimed
+) -> torch.Tensor:
     """Reduce every gradient of this step (see the module docstring); returns the global norm
     (divided by the loss scale: the norm of the true gradient; non-finite on overflow)."""
     with span("dp_exposed"):

@@ -12,6 +12,7 @@ remainder ``edp``. The full DP group (used for dense gradients) spans both ``ep`
 `Grid` adds the process groups, created once and passed explicitly: there is no module-level
 group state anywhere in threefold.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -41,11 +42,15 @@ class RankLayout:
     def __post_init__(self) -> None:
         tokens = self.order.split("-")
         if sorted(tokens) != sorted(ORDER_TOKENS):
-            raise ConfigError("parallel.order", f"{self.order!r} must name each of tp, cp, ep, dp, pp once",
-                              "e.g. tp-cp-ep-dp-pp")
+            raise ConfigError(
+                "parallel.order", f"{self.order!r} must name each of tp, cp, ep, dp, pp once", "e.g. tp-cp-ep-dp-pp"
+            )
         if self.dp % self.ep:
-            raise ConfigError("parallel.ep", f"ep={self.ep} does not divide dp={self.dp}",
-                              "experts are carved out of data-parallel ranks: choose ep dividing dp")
+            raise ConfigError(
+                "parallel.ep",
+                f"ep={self.ep} does not divide dp={self.dp}",
+                "experts are carved out of data-parallel ranks: choose ep dividing dp",
+            )
 
     @property
     def world_size(self) -> int:
@@ -66,8 +71,14 @@ class RankLayout:
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of `rank`; `dp` is the full data-parallel index (edp * ep + ep_index)."""
         raw = {t: (rank // s) % self._sizes[t] for t, s in self._strides.items()}
-        return {"tp": raw["tp"], "cp": raw["cp"], "ep": raw["ep"], "edp": raw["dp"],
-                "dp": raw["dp"] * self.ep + raw["ep"], "pp": raw["pp"]}
+        return {
+            "tp": raw["tp"],
+            "cp": raw["cp"],
+            "ep": raw["ep"],
+            "edp": raw["dp"],
+            "dp": raw["dp"] * self.ep + raw["ep"],
+            "pp": raw["pp"],
+        }
 
     def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
         raw = {"tp": tp, "cp": cp, "ep": dp % self.ep, "dp": dp // self.ep, "pp": pp}
@@ -80,8 +91,10 @@ class RankLayout:
         out = []
         for base in itertools.product(*(range(sizes[t]) for t in fixed)):
             start = sum(c * strides[t] for t, c in zip(fixed, base))
-            ranks = [start + sum(c * strides[t] for t, c in zip(varying, combo))
-                     for combo in itertools.product(*(range(sizes[t]) for t in varying))]
+            ranks = [
+                start + sum(c * strides[t] for t, c in zip(varying, combo))
+                for combo in itertools.product(*(range(sizes[t]) for t in varying))
+            ]
             out.append(sorted(ranks))
         return sorted(out)
 
@@ -108,9 +121,11 @@ class RankLayout:
         for ranks in self.groups(("tp",)):
             if len({r // devices_per_node for r in ranks}) > 1:
                 raise ConfigError(
-                    "parallel.tp", f"tensor-parallel group {ranks} would span nodes of {devices_per_node} devices",
+                    "parallel.tp",
+                    f"tensor-parallel group {ranks} would span nodes of {devices_per_node} devices",
                     "use tp <= devices per node with tp first in parallel.order, "
-                    "or set parallel.allow_tp_across_nodes true")
+                    "or set parallel.allow_tp_across_nodes true",
+                )
 
 
 # The span category a group's collectives are timed as (when log.spans attaches a recorder).
@@ -133,7 +148,7 @@ class Grid:
         self.world = groups["world"]
 
     @classmethod
-    def alone(cls, rank: int = 0, **groups: Group) -> "Grid":
+    def alone(cls, rank: int = 0, **groups: Group) -> Grid:
         """A grid in which this rank is alone in every group (no process groups), but for the
         `groups` given: a model or engine built by one process, or on a sub-group of a job."""
         names = ["world", *RankLayout().group_lists()]
@@ -143,8 +158,7 @@ class Grid:
         return cls(layout, rank, every)
 
     @classmethod
-    def build(cls, layout: RankLayout, timeout: timedelta | None = None,
-              device: torch.device | str = "cpu") -> "Grid":
+    def build(cls, layout: RankLayout, timeout: timedelta | None = None, device: torch.device | str = "cpu") -> Grid:
         """Create every group (all ranks must call this, in the same order). `timeout` bounds
         each collective on the sub-groups (torch would give them its own default, not the
         world group's): a hung peer becomes an error instead of a wait of half an hour.
@@ -152,8 +166,11 @@ class Grid:
         rank, world = comm.global_rank(), comm.world_size()
         device = torch.device(device)
         if layout.world_size != world:
-            raise ConfigError("parallel", f"dp*tp*pp*cp = {layout.world_size} but the world has {world} processes",
-                              "make the product of degrees equal the number of processes")
+            raise ConfigError(
+                "parallel",
+                f"dp*tp*pp*cp = {layout.world_size} but the world has {world} processes",
+                "make the product of degrees equal the number of processes",
+            )
         groups: dict[str, Group] = {"world": Group("world", list(range(world)), comm.world_handle(), device=device)}
         for name, lists in layout.group_lists().items():
             for ranks in lists:
@@ -183,6 +200,13 @@ class Grid:
 
     def describe(self) -> dict:
         lay = self.layout
-        return {"world_size": lay.world_size, "tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp,
-                "pp": lay.pp, "order": lay.order,
-                "groups": {k: v for k, v in lay.group_lists().items() if k in ("tp", "pp", "dp", "ep")}}
+        return {
+            "world_size": lay.world_size,
+            "tp": lay.tp,
+            "cp": lay.cp,
+            "ep": lay.ep,
+            "dp": lay.dp,
+            "pp": lay.pp,
+            "order": lay.order,
+            "groups": {k: v for k, v in lay.group_lists().items() if k in ("tp", "pp", "dp", "ep")},
+        }

@@ -9,6 +9,7 @@ The order is fixed (as in torchtitan):
      (model/sharding.py), re-tie tied weights, fill them with the layout-invariant initializer;
   5. seed the dropout generator for this rank's place in the grid.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,8 +27,14 @@ from threefold.model.sharding import declare
 from threefold.model.transformer import Transformer
 
 
-def build_model(cfg: Config, grid: Grid, device: torch.device, layer_ids: list[int] | None = None,
-                first: bool = True, last: bool = True) -> nn.Module:
+def build_model(
+    cfg: Config,
+    grid: Grid,
+    device: torch.device,
+    layer_ids: list[int] | None = None,
+    first: bool = True,
+    last: bool = True,
+) -> nn.Module:
     """The whole model, or one pipeline chunk (its `layer_ids`, with the embedding if `first`
     and the head and loss if `last`)."""
     with on_meta():

@@ -1,4 +1,5 @@
 """Process-group start-up and orderly shutdown for one worker (under torchrun or in-process)."""
+
 from __future__ import annotations
 
 import os
@@ -19,11 +20,15 @@ class WorkerEnv:
     restart_count: int
 
     @classmethod
-    def from_environ(cls) -> "WorkerEnv":
+    def from_environ(cls) -> WorkerEnv:
         env = os.environ
-        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)),
-                   int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))),
-                   int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+        return cls(
+            int(env.get("RANK", 0)),
+            int(env.get("WORLD_SIZE", 1)),
+            int(env.get("LOCAL_RANK", 0)),
+            int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))),
+            int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        )
 
 
 def under_launcher() -> bool:
@@ -47,8 +52,13 @@ def init_distributed(device: torch.device, timeout_s: float) -> WorkerEnv:
     workers would otherwise read the dead attempt's stale gloo keys and fail to connect.
     """
     env = WorkerEnv.from_environ()
-    comm.join("nccl" if device.type == "cuda" else "gloo", device, timedelta(seconds=timeout_s),
-              env.restart_count, under_launcher())
+    comm.join(
+        "nccl" if device.type == "cuda" else "gloo",
+        device,
+        timedelta(seconds=timeout_s),
+        env.restart_count,
+        under_launcher(),
+    )
     return env
 
 

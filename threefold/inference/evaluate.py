@@ -7,6 +7,7 @@ each forward. The summed loss leaves the last stage's first TP rank (the vocab-p
 already whole on every TP rank) and is summed over the world in fp64, so the result depends
 on the layout only through summation order.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,7 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torc
 def evaluate(chunks: list[nn.Module], grid: Grid, cfg: Config, tokens: np.ndarray, starts: np.ndarray) -> dict:
     """{"loss", "perplexity", "tokens"} of the windows at `starts` (seq_len + 1 tokens each)."""
     seq, mb, dp = cfg.model.seq_len, cfg.train.micro_batch, grid.layout.dp
-    mine = starts[grid.dp_rank::dp]
+    mine = starts[grid.dp_rank :: dp]
     rounds = math.ceil(math.ceil(len(starts) / dp) / mb)
     was_training = [c.training for c in chunks]
     for c in chunks:
@@ -39,7 +40,7 @@ def evaluate(chunks: list[nn.Module], grid: Grid, cfg: Config, tokens: np.ndarra
     total = 0.0
     try:
         for i in range(rounds):
-            batch = mine[i * mb:(i + 1) * mb]
+            batch = mine[i * mb : (i + 1) * mb]
             real = len(batch) > 0
             if not real:  # keep in step with the other dp ranks (ZeRO-3 gathers); loss discarded
                 batch = starts[:1]

@@ -4,6 +4,7 @@ The model comes from the checkpoint (its shape; only model.seq_len, the window l
 changed); data.* keys default to the ones the run trained with, so the held-out part is the
 run's own; the layout (parallel.*) is free: any layout evaluates any checkpoint.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,11 @@ def eval_config(checkpoint_config: dict, config_file: str | None, overrides: lis
         # A GPT-2 position table has seq_len rows: its windows cannot be longer or shorter.
         free = f.name == "seq_len" and saved.arch == "llama"
         if not free and getattr(cfg.model, f.name) != getattr(saved, f.name):
-            raise ConfigError(f"model.{f.name}", "the model's shape comes from the checkpoint",
-                              "only model.seq_len may be set, and only for llama-style models")
+            raise ConfigError(
+                f"model.{f.name}",
+                "the model's shape comes from the checkpoint",
+                "only model.seq_len may be set, and only for llama-style models",
+            )
     return cfg
 
 
@@ -50,8 +54,11 @@ def check_eval_config(cfg: Config, world_size: int | None) -> None:
         raise ConfigError("train.micro_batch", f"must be > 0, got {cfg.train.micro_batch}")
     stages = cfg.parallel.pp * cfg.parallel.vpp
     if stages > cfg.model.layers:
-        raise ConfigError("parallel.pp", f"pp*vpp = {stages} stages but the model has {cfg.model.layers} layers",
-                          "each stage needs at least one layer")
+        raise ConfigError(
+            "parallel.pp",
+            f"pp*vpp = {stages} stages but the model has {cfg.model.layers} layers",
+            "each stage needs at least one layer",
+        )
 
 
 def eval_worker(cfg_dict: dict, checkpoint: str) -> dict:
@@ -116,14 +123,18 @@ def eval_command(argv: list[str]) -> int:
     if stream.vocab_size > m.vocab:
         from threefold.errors import DataError
 
-        raise DataError(f"{stream.source}: token ids go up to vocab {stream.vocab_size} but the checkpoint's "
-                        f"model.vocab is {m.vocab}")
+        raise DataError(
+            f"{stream.source}: token ids go up to vocab {stream.vocab_size} but the checkpoint's "
+            f"model.vocab is {m.vocab}"
+        )
     result = run_eval(cfg, args.checkpoint)
     if int(os.environ.get("RANK", 0)) != 0:  # under torchrun every process runs this command
         return 0
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"val loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}  on {result['tokens']:,} "
-              f"held-out tokens ({stream.source})")
+        print(
+            f"val loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}  on {result['tokens']:,} "
+            f"held-out tokens ({stream.source})"
+        )
     return 0

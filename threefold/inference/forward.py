@@ -4,6 +4,7 @@ Virtual stage s lives on pipeline rank s % pp (chunk s // pp); the activation wa
 in order, each boundary one blocking send/recv. Nothing overlaps: evaluation runs rarely and
 holds no activations for backward, so the schedule's bubble-hiding does not pay here.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,9 @@ from threefold.distributed.grid import Grid
 
 
 @torch.no_grad()
-def pipeline_forward(chunks: list[nn.Module], grid: Grid, inputs: torch.Tensor, targets: torch.Tensor | None,
-                     hidden: int, sp: bool) -> torch.Tensor | None:
+def pipeline_forward(
+    chunks: list[nn.Module], grid: Grid, inputs: torch.Tensor, targets: torch.Tensor | None, hidden: int, sp: bool
+) -> torch.Tensor | None:
     """The last stage's output (summed loss with `targets`, else logits [seq, batch, vocab/tp])
     on the rank holding the last virtual stage; None elsewhere. `inputs`/`targets`: [batch, seq]."""
     p = grid.layout.pp

@@ -7,6 +7,7 @@ position's work instead of a forward over the whole sequence. Positions (rotary 
 GPT-2 table) are offset by the cache length. Sampling: greedy (temperature 0), or temperature
 with optional top-k and nucleus (top-p) filtering, from a seeded generator.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,7 +57,7 @@ def cached_forward(model: nn.Module, tokens: torch.Tensor, cache: KVCache) -> to
     pos, s = cache.length, tokens.shape[1]
     x = model.tok_embed(tokens.t())
     if model.pos_embed is not None:
-        x = x + model.pos_embed.weight[pos:pos + s, None, :]
+        x = x + model.pos_embed.weight[pos : pos + s, None, :]
     for i, block in enumerate(model.layers.values()):
         x = x + _attend(block.attn, block.attn_norm(x), cache, i)
         x = x + block.mlp(block.mlp_norm(x))
@@ -83,15 +84,25 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: list[int], max_new: int, *, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, usable_vocab: int | None = None, stop: int | None = None,
-             max_len: int | None = None) -> list[int]:
+def generate(
+    model: nn.Module,
+    prompt: list[int],
+    max_new: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    usable_vocab: int | None = None,
+    stop: int | None = None,
+    max_len: int | None = None,
+) -> list[int]:
     """Continue `prompt` by up to `max_new` ids (fewer at `stop` or at `max_len` positions)."""
     model.eval()
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     max_len = max_len or model.cfg.seq_len
-    prompt = prompt[-(max_len - 1):]
+    prompt = prompt[-(max_len - 1) :]
     cache = KVCache(len(model.layers))
     logits = cached_forward(model, torch.tensor([prompt], device=device), cache)[:, -1]
     out: list[int] = []
@@ -122,8 +133,9 @@ def load_consolidated(path: str, device: torch.device) -> tuple[nn.Module, dict]
     if missing or unexpected:
         from threefold.checkpoint import CheckpointError
 
-        raise CheckpointError(f"{directory}: weights do not fit the model (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]})")
+        raise CheckpointError(
+            f"{directory}: weights do not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     return model.to(device).float(), manifest.config
 
 
@@ -156,7 +168,16 @@ def generate_command(argv: list[str]) -> int:
     prompt = tok.encode(args.prompt)
     if not prompt:
         raise ConfigError("--prompt", "is empty after tokenization", "give at least one character")
-    ids = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, usable_vocab=tok.vocab_size, stop=tok.separator)
+    ids = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        usable_vocab=tok.vocab_size,
+        stop=tok.separator,
+    )
     sys.stdout.write(args.prompt + tok.decode(ids) + "\n")
     return 0

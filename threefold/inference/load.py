@@ -1,4 +1,5 @@
 """Build this rank's model chunks for a layout and fill them from a checkpoint of any layout."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -6,6 +6,7 @@ resharding loader then places it into any layout. Export consolidates a checkpoi
 tensors and writes config.json plus safetensors, split into shards with an index above
 --max-shard-mb, as `save_pretrained` does. A tokenizer.json travels along in both directions.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,10 @@ def _safetensors():
     try:
         import safetensors.torch as st
     except ImportError:
-        raise UserError("Hugging Face checkpoints are safetensors files: install it with "
-                        "`pip install safetensors` (or the [hf] extra)") from None
+        raise UserError(
+            "Hugging Face checkpoints are safetensors files: install it with "
+            "`pip install safetensors` (or the [hf] extra)"
+        ) from None
     return st
 
 
@@ -60,8 +63,10 @@ def read_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     elif (hf_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise HfFormatError(f"{hf_dir}: no model.safetensors or {INDEX} (only safetensors weights are read; "
-                            "re-save the model with save_pretrained(safe_serialization=True))")
+        raise HfFormatError(
+            f"{hf_dir}: no model.safetensors or {INDEX} (only safetensors weights are read; "
+            "re-save the model with save_pretrained(safe_serialization=True))"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         if not (hf_dir / name).is_file():
@@ -81,8 +86,9 @@ def _check_shapes(tensors: dict[str, torch.Tensor], m: ModelConfig, where: str) 
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
-        raise HfFormatError(f"{where}: tensors do not match the config (missing: {missing[:3]}, unexpected: "
-                            f"{extra[:3]})")
+        raise HfFormatError(
+            f"{where}: tensors do not match the config (missing: {missing[:3]}, unexpected: {extra[:3]})"
+        )
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
             raise HfFormatError(f"{where}: {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}")
@@ -125,8 +131,10 @@ def export_hf(ckpt: str, out: str, max_shard_mb: float = 5000.0) -> Path:
     directory, manifest = open_checkpoint(ckpt)
     m = manifest.config["model"]
     if m.get("num_experts"):
-        raise HfFormatError(f"{directory}: a mixture-of-experts model has no Hugging Face layout here "
-                            "(export-hf writes dense Llama, Qwen2 and GPT-2 models)")
+        raise HfFormatError(
+            f"{directory}: a mixture-of-experts model has no Hugging Face layout here "
+            "(export-hf writes dense Llama, Qwen2 and GPT-2 models)"
+        )
     tensors = to_hf(consolidated(directory, manifest), m)
     dst = Path(out)
     _empty_out(dst)

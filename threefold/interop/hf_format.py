@@ -12,6 +12,7 @@ Configs map field by field to `model.*`; tensors map by name, with two changes o
 Anything the threefold model cannot reproduce exactly (rope scaling, other activations, biases
 where it has none) is refused with one line instead of being converted approximately.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,10 @@ def model_type_of(hf: dict, where: str) -> str:
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
         arch = ",".join(hf.get("architectures") or []) or "?"
-        raise HfFormatError(f"{where}: architecture {arch} (model_type {kind!r}) is not supported "
-                            f"(valid: {', '.join(ARCHITECTURES.values())})")
+        raise HfFormatError(
+            f"{where}: architecture {arch} (model_type {kind!r}) is not supported "
+            f"(valid: {', '.join(ARCHITECTURES.values())})"
+        )
     return kind
 
 
@@ -59,10 +62,19 @@ def model_fields(hf: dict, where: str) -> dict:
         if hf.get("scale_attn_weights") is False:
             _refuse(where, "scale_attn_weights", False, "true")
         hidden = hf["n_embd"]
-        return dict(arch="gpt2", hidden=hidden, layers=hf["n_layer"], heads=hf["n_head"], kv_heads=hf["n_head"],
-                    ffn_hidden=hf.get("n_inner") or 4 * hidden, vocab=hf["vocab_size"], seq_len=hf["n_positions"],
-                    norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-                    tie_embeddings=bool(hf.get("tie_word_embeddings", True)), qkv_bias=False)
+        return dict(
+            arch="gpt2",
+            hidden=hidden,
+            layers=hf["n_layer"],
+            heads=hf["n_head"],
+            kv_heads=hf["n_head"],
+            ffn_hidden=hf.get("n_inner") or 4 * hidden,
+            vocab=hf["vocab_size"],
+            seq_len=hf["n_positions"],
+            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            qkv_bias=False,
+        )
     if hf.get("hidden_act", "silu") != "silu":
         _refuse(where, "hidden_act", hf.get("hidden_act"), "silu")
     if hf.get("mlp_bias"):
@@ -74,11 +86,20 @@ def model_fields(hf: dict, where: str) -> dict:
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, hidden // heads):
         _refuse(where, "head_dim", hf["head_dim"], f"hidden_size/num_attention_heads = {hidden // heads}")
-    return dict(arch="llama", hidden=hidden, layers=hf["num_hidden_layers"], heads=heads,
-                kv_heads=hf.get("num_key_value_heads") or heads, ffn_hidden=hf["intermediate_size"],
-                vocab=hf["vocab_size"], seq_len=hf["max_position_embeddings"],
-                norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(hf, where),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2")
+    return dict(
+        arch="llama",
+        hidden=hidden,
+        layers=hf["num_hidden_layers"],
+        heads=heads,
+        kv_heads=hf.get("num_key_value_heads") or heads,
+        ffn_hidden=hf["intermediate_size"],
+        vocab=hf["vocab_size"],
+        seq_len=hf["max_position_embeddings"],
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(hf, where),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=kind == "qwen2",
+    )
 
 
 def hf_config(m: dict, base: dict | None = None) -> dict:
@@ -87,23 +108,43 @@ def hf_config(m: dict, base: dict | None = None) -> dict:
     out = dict(base or {})
     if m["arch"] == "gpt2":
         drop = m.get("dropout", 0.0)
-        out.update(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=m["hidden"], n_layer=m["layers"],
-                   n_head=m["heads"], n_inner=m["ffn_hidden"], vocab_size=m["vocab"], n_positions=m["seq_len"],
-                   layer_norm_epsilon=m["norm_eps"], activation_function=out.get("activation_function", "gelu_new"),
-                   tie_word_embeddings=m["tie_embeddings"], scale_attn_weights=True,
-                   scale_attn_by_inverse_layer_idx=False)
+        out.update(
+            architectures=["GPT2LMHeadModel"],
+            model_type="gpt2",
+            n_embd=m["hidden"],
+            n_layer=m["layers"],
+            n_head=m["heads"],
+            n_inner=m["ffn_hidden"],
+            vocab_size=m["vocab"],
+            n_positions=m["seq_len"],
+            layer_norm_epsilon=m["norm_eps"],
+            activation_function=out.get("activation_function", "gelu_new"),
+            tie_word_embeddings=m["tie_embeddings"],
+            scale_attn_weights=True,
+            scale_attn_by_inverse_layer_idx=False,
+        )
         if base is None:
             out.update(resid_pdrop=drop, embd_pdrop=drop, attn_pdrop=0.0, initializer_range=m["init_std"])
         elif base.get("n_inner") is None and m["ffn_hidden"] == 4 * m["hidden"]:
             out["n_inner"] = None  # "4 x n_embd", as the imported config said
         return out
     kind = "qwen2" if m.get("qkv_bias") else "llama"
-    out.update(architectures=[ARCHITECTURES[kind]], model_type=kind, hidden_size=m["hidden"],
-               num_hidden_layers=m["layers"], num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"],
-               intermediate_size=m["ffn_hidden"], vocab_size=m["vocab"], max_position_embeddings=m["seq_len"],
-               rms_norm_eps=m["norm_eps"], hidden_act="silu", tie_word_embeddings=m["tie_embeddings"],
-               head_dim=m["hidden"] // m["heads"],
-               rope_parameters={"rope_type": "default", "rope_theta": m["rope_theta"]})
+    out.update(
+        architectures=[ARCHITECTURES[kind]],
+        model_type=kind,
+        hidden_size=m["hidden"],
+        num_hidden_layers=m["layers"],
+        num_attention_heads=m["heads"],
+        num_key_value_heads=m["kv_heads"],
+        intermediate_size=m["ffn_hidden"],
+        vocab_size=m["vocab"],
+        max_position_embeddings=m["seq_len"],
+        rms_norm_eps=m["norm_eps"],
+        hidden_act="silu",
+        tie_word_embeddings=m["tie_embeddings"],
+        head_dim=m["hidden"] // m["heads"],
+        rope_parameters={"rope_type": "default", "rope_theta": m["rope_theta"]},
+    )
     out.pop("rope_theta", None)
     out.pop("rope_scaling", None)
     if kind == "llama":
@@ -124,11 +165,24 @@ def _to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, hd // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-_LLAMA_BLOCK = {"self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk", "self_attn.v_proj": "attn.wv",
-                "self_attn.o_proj": "attn.wo", "mlp.gate_proj": "mlp.w1", "mlp.up_proj": "mlp.w3",
-                "mlp.down_proj": "mlp.w2", "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
-_GPT2_BLOCK = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_proj": "attn.wo", "mlp.c_fc": "mlp.w1",
-               "mlp.c_proj": "mlp.w2"}
+_LLAMA_BLOCK = {
+    "self_attn.q_proj": "attn.wq",
+    "self_attn.k_proj": "attn.wk",
+    "self_attn.v_proj": "attn.wv",
+    "self_attn.o_proj": "attn.wo",
+    "mlp.gate_proj": "mlp.w1",
+    "mlp.up_proj": "mlp.w3",
+    "mlp.down_proj": "mlp.w2",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "mlp_norm",
+}
+_GPT2_BLOCK = {
+    "ln_1": "attn_norm",
+    "ln_2": "mlp_norm",
+    "attn.c_proj": "attn.wo",
+    "mlp.c_fc": "mlp.w1",
+    "mlp.c_proj": "mlp.w2",
+}
 _GPT2_IGNORED = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of old GPT-2 files
 
 
@@ -141,8 +195,13 @@ def from_hf(hf_tensors: dict[str, torch.Tensor], m: dict, where: str) -> dict[st
             name = name.removeprefix("transformer.")
             if name.endswith(_GPT2_IGNORED):
                 continue
-            mapped = {"wte.weight": "tok_embed.weight", "wpe.weight": "pos_embed.weight", "ln_f.weight": "norm.weight",
-                      "ln_f.bias": "norm.bias", "lm_head.weight": "head.weight"}.get(name)
+            mapped = {
+                "wte.weight": "tok_embed.weight",
+                "wpe.weight": "pos_embed.weight",
+                "ln_f.weight": "norm.weight",
+                "ln_f.bias": "norm.bias",
+                "lm_head.weight": "head.weight",
+            }.get(name)
             if mapped:
                 out[mapped] = t
                 continue
@@ -162,8 +221,11 @@ def from_hf(hf_tensors: dict[str, torch.Tensor], m: dict, where: str) -> dict[st
             else:
                 raise HfFormatError(f"{where}: unexpected tensor {name!r} for gpt2")
             continue
-        mapped = {"model.embed_tokens.weight": "tok_embed.weight", "model.norm.weight": "norm.weight",
-                  "lm_head.weight": "head.weight"}.get(name)
+        mapped = {
+            "model.embed_tokens.weight": "tok_embed.weight",
+            "model.norm.weight": "norm.weight",
+            "lm_head.weight": "head.weight",
+        }.get(name)
         if mapped:
             out[mapped] = t
             continue
@@ -187,11 +249,21 @@ def to_hf(tensors: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Tensor]:
     """threefold logical tensors -> Hugging Face tensors (the inverse of from_hf)."""
     out: dict[str, torch.Tensor] = {}
     gpt2 = m["arch"] == "gpt2"
-    top = ({"tok_embed.weight": "transformer.wte.weight", "pos_embed.weight": "transformer.wpe.weight",
-            "norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias",
-            "head.weight": "lm_head.weight"} if gpt2 else
-           {"tok_embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-            "head.weight": "lm_head.weight"})
+    top = (
+        {
+            "tok_embed.weight": "transformer.wte.weight",
+            "pos_embed.weight": "transformer.wpe.weight",
+            "norm.weight": "transformer.ln_f.weight",
+            "norm.bias": "transformer.ln_f.bias",
+            "head.weight": "lm_head.weight",
+        }
+        if gpt2
+        else {
+            "tok_embed.weight": "model.embed_tokens.weight",
+            "norm.weight": "model.norm.weight",
+            "head.weight": "lm_head.weight",
+        }
+    )
     gpt2_block = {v: k for k, v in _GPT2_BLOCK.items()}
     llama_block = {v: k for k, v in _LLAMA_BLOCK.items()}
     fused: dict[tuple[str, str], dict[str, torch.Tensor]] = {}

@@ -9,6 +9,7 @@ time, keeping its columns), and any layout, on any device, gets bit-identical va
 A parameter's shard comes from its sharding record (model/sharding.py); a parameter without
 one is the whole tensor.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,15 @@ def _block_seed(seed: int, name: str, block: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def normal_shard(name: str, full_shape: tuple[int, ...], std: float, seed: int,
-                 dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
+def normal_shard(
+    name: str,
+    full_shape: tuple[int, ...],
+    std: float,
+    seed: int,
+    dim: int = 0,
+    start: int = 0,
+    length: int | None = None,
+) -> torch.Tensor:
     """Rows/columns [start, start+length) along `dim` of the logical normal(0, std) tensor (fp32, CPU)."""
     full_shape = tuple(full_shape)
     length = full_shape[dim] - start if length is None else length

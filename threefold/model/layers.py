@@ -7,6 +7,7 @@ Tensor parallelism is applied afterwards by swapping the `nn.Linear`s for column
 ones; the code below therefore derives head counts from the projected tensors (``-1`` in the
 views) instead of from the config, so the same forward serves a shard of the heads.
 """
+
 from __future__ import annotations
 
 import functools

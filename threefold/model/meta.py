@@ -7,6 +7,7 @@ sympy): about 2.5 s of CPU per process, at every launch, for values nobody reads
 layout-invariant initializer (`model.init.init_weights`) sets every value after
 materialization anyway.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,11 +21,19 @@ from threefold.model.init import init_weights
 from threefold.model.transformer import Transformer
 
 # Random or computed fills a module's constructor applies to its fresh parameters.
-_INITIALIZERS = frozenset({
-    nn.init.normal_, nn.init.uniform_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
-    nn.init.trunc_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_,
-    torch.Tensor.normal_, torch.Tensor.uniform_,
-})
+_INITIALIZERS = frozenset(
+    {
+        nn.init.normal_,
+        nn.init.uniform_,
+        nn.init.kaiming_uniform_,
+        nn.init.kaiming_normal_,
+        nn.init.trunc_normal_,
+        nn.init.xavier_uniform_,
+        nn.init.xavier_normal_,
+        torch.Tensor.normal_,
+        torch.Tensor.uniform_,
+    }
+)
 
 
 class _SkipMetaInit(TorchFunctionMode):
@@ -64,8 +73,14 @@ def tie_and_init(model: nn.Module, cfg: ModelConfig, seed: int, first: bool = Tr
     init_weights(model, cfg, seed, names)
 
 
-def plain_model(cfg: ModelConfig, seed: int, device: torch.device | str, layer_ids: list[int] | None = None,
-                first: bool = True, last: bool = True) -> Transformer:
+def plain_model(
+    cfg: ModelConfig,
+    seed: int,
+    device: torch.device | str,
+    layer_ids: list[int] | None = None,
+    first: bool = True,
+    last: bool = True,
+) -> Transformer:
     """The model (or one pipeline chunk) without any parallelism, initialized as every layout
     is: what the PyTorch-native peers of the benchmarks start from."""
     with on_meta():

@@ -23,6 +23,7 @@ routing rules still hold over the whole micro-batch; expert parallelism swaps `d
 rank's share. Expert weights are stored 2-D ([experts * out, in]) so initialization,
 checkpoints and sharding treat them like any row-sharded matrix.
 """
+
 from __future__ import annotations
 
 import math
@@ -104,8 +105,9 @@ class Routing:
     z: torch.Tensor  # z-loss, this rank's part
 
 
-def route(logits: torch.Tensor, top_k: int, capacity_factor: float, total_tokens: int,
-          gather_counts=None, token_rank: int = 0) -> Routing:
+def route(
+    logits: torch.Tensor, top_k: int, capacity_factor: float, total_tokens: int, gather_counts=None, token_rank: int = 0
+) -> Routing:
     """Top-k routing of `logits` [T, E] (fp32), with the balance losses and the capacity rule
     computed over the whole micro-batch of `total_tokens`. When ranks split the micro-batch
     (tensor parallelism), `gather_counts` stacks every rank's per-choice counts [ranks, K, E]
@@ -173,8 +175,9 @@ class MoE(nn.Module):
         s, b, h = x.shape
         flat = x.reshape(-1, h)
         logits = F.linear(flat.float(), self.router.weight.float())
-        r = route(logits, self.top_k, self.capacity_factor, s * b * self.token_ranks, self.gather_counts,
-                  self.token_rank)
+        r = route(
+            logits, self.top_k, self.capacity_factor, s * b * self.token_ranks, self.gather_counts, self.token_rank
+        )
         # Kept assignments sorted by expert (stable: token order within an expert).
         pairs = r.keep.reshape(-1).nonzero().squeeze(1)
         expert = r.expert.reshape(-1)[pairs]

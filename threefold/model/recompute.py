@@ -14,6 +14,7 @@ those of recompute none. The module's forward is wrapped in place, so parameter 
 therefore init and checkpoints) do not change. Note that the rerun of a tensor-parallel block
 repeats its forward collectives in backward (accounted for in docs/tensor_parallel.md).
 """
+
 from __future__ import annotations
 
 import contextlib

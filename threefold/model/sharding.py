@@ -9,6 +9,7 @@ annotations into one typed record on every parameter, once the model is material
 everything downstream — the initializer, the gradient finalization and norm, checkpoint
 naming — reads that record through `sharding_of(param)`, never the modules again.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,8 +59,11 @@ def declare(model: nn.Module, tp=None) -> None:
         specs, group = module.__dict__.get("shard_specs", {}), module.__dict__.get("shard_group")
         partial = set(module.__dict__.get("tp_sum_grads", ()))
         for name, param in module.named_parameters(recurse=False):
-            record = Sharding(specs.get(name), group if name in specs else None,
-                              tp if name in partial and tp is not None and tp.size > 1 else None)
+            record = Sharding(
+                specs.get(name),
+                group if name in specs else None,
+                tp if name in partial and tp is not None and tp.size > 1 else None,
+            )
             if record != REPLICATED or not hasattr(param, _ATTR):  # a tied weight keeps its first record
                 setattr(param, _ATTR, record)
 

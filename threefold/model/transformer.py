@@ -5,9 +5,10 @@ embeddings, the last the final norm, the head and the loss. Blocks live in a Mod
 by their global index, so parameter names ("layers.7.attn.wq.weight") are the same in every
 layout; initialization and checkpoints key on those names.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F

@@ -1,4 +1,5 @@
 """Observation: FLOPs and parameter counts, device peak and MFU, metrics and run records."""
+
 from threefold.observe.flops import (
     active_params,
     forward_flops_per_token,

@@ -9,6 +9,7 @@ Derivation and the table of what each op saves: docs/tensor_parallel.md.
 Symbols: s sequence, b micro-batch, h hidden, a heads, hd = h/a, f ffn_hidden, t tensor-parallel
 size, kvl = kv heads held per rank (kv/t, or 1 when kv < t), e bytes per element.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,18 @@ import torch
 from torch import nn
 
 
-def layer_activation_elements(s: int, b: int, h: int, heads: int, kv_heads: int, ffn: int, t: int = 1,
-                              sp: bool = False, recompute: str = "none", attention: str = "flash") -> float:
+def layer_activation_elements(
+    s: int,
+    b: int,
+    h: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    t: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+    attention: str = "flash",
+) -> float:
     """Elements one Llama layer saves for backward, per rank (see the module docstring)."""
     if recompute == "full":
         return s * b * h / (t if sp else 1)  # only the block's input
@@ -44,8 +55,9 @@ def layer_activation_elements(s: int, b: int, h: int, heads: int, kv_heads: int,
     return norms + column_inputs + core + mlp
 
 
-def korthikanti_layer_bytes(s: int, b: int, h: int, heads: int, t: int = 1, sp: bool = False,
-                            recompute: str = "none") -> float:
+def korthikanti_layer_bytes(
+    s: int, b: int, h: int, heads: int, t: int = 1, sp: bool = False, recompute: str = "none"
+) -> float:
     """The paper's per-layer bytes (Table 2; GPT layer, 16-bit activations, 1-byte dropout masks)."""
     sbh, att = s * b * h, 5 * heads * s / h
     if recompute == "full":
@@ -82,6 +94,7 @@ class SavedTensorMeter:
     def _enter(self, scope: str):
         def hook(module, args):
             self._scope = scope
+
         return hook
 
     def _leave(self, module, args, output):
@@ -95,7 +108,7 @@ class SavedTensorMeter:
             self.by_scope[self._scope] += storage.nbytes()
         return t
 
-    def __enter__(self) -> "SavedTensorMeter":
+    def __enter__(self) -> SavedTensorMeter:
         self._stack.enter_context(self._hooks)
         return self
 
@@ -114,7 +127,7 @@ class _Held:
 
     __slots__ = ("tensor", "meter", "key")
 
-    def __init__(self, tensor: torch.Tensor, meter: "LiveActivationMeter", key: int):
+    def __init__(self, tensor: torch.Tensor, meter: LiveActivationMeter, key: int):
         self.tensor, self.meter, self.key = tensor, meter, key
 
     def __del__(self):
@@ -137,7 +150,8 @@ class LiveActivationMeter:
         self._bytes: dict[int, int] = {}
         self.live_bytes = self.peak_bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(
-            self._pack, lambda held: held.tensor if isinstance(held, _Held) else held)
+            self._pack, lambda held: held.tensor if isinstance(held, _Held) else held
+        )
 
     def _pack(self, t: torch.Tensor):
         key = t.untyped_storage().data_ptr()
@@ -150,7 +164,7 @@ class LiveActivationMeter:
         self._refs[key] += 1
         return _Held(t, self, key)
 
-    def hold(self, t: torch.Tensor) -> "_Held":
+    def hold(self, t: torch.Tensor) -> _Held:
         """Count `t` as held for backward by someone other than autograd (a pipeline stage's
         output waiting for its gradient) until the returned token is dropped."""
         return self._pack(t)
@@ -161,7 +175,7 @@ class LiveActivationMeter:
             del self._refs[key]
             self.live_bytes -= self._bytes.pop(key)
 
-    def __enter__(self) -> "LiveActivationMeter":
+    def __enter__(self) -> LiveActivationMeter:
         self._hooks.__enter__()
         return self
 

@@ -3,6 +3,7 @@ configs. Categories are compared by their share of the step (mean over ranks, st
 in percentage points: a run that is slower across the board (another job on the machine)
 does not make every category look changed; the ms per step are printed next to it.
 """
+
 from __future__ import annotations
 
 from threefold.observe.spans import CATEGORIES, COMM, COMPUTE
@@ -26,8 +27,9 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def config_diff(a: dict, b: dict) -> list[tuple[str, object, object]]:
     fa, fb = _flat(a), _flat(b)
-    return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb))
-            if fa.get(k) != fb.get(k) and k not in IGNORED_KEYS]
+    return [
+        (k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k) and k not in IGNORED_KEYS
+    ]
 
 
 def family(category: str) -> str:
@@ -58,9 +60,11 @@ def biggest_change(ba: dict, bb: dict, among=CATEGORIES) -> tuple[str, float] | 
 
 def _change_text(category: str, delta: float, ba: dict, bb: dict) -> str:
     sa, sb = shares(ba), shares(bb)
-    return (f"{category} {100 * sa[category]:.1f}% -> {100 * sb[category]:.1f}% of the step "
-            f"({100 * delta:+.1f} points; {_ms(ba[category])} -> {_ms(bb[category])} per step), "
-            f"{family(category)}")
+    return (
+        f"{category} {100 * sa[category]:.1f}% -> {100 * sb[category]:.1f}% of the step "
+        f"({100 * delta:+.1f} points; {_ms(ba[category])} -> {_ms(bb[category])} per step), "
+        f"{family(category)}"
+    )
 
 
 def compare(a: dict, b: dict, config_a: dict, config_b: dict) -> tuple[str, dict]:
@@ -97,19 +101,29 @@ def compare(a: dict, b: dict, config_a: dict, config_b: dict) -> tuple[str, dict
         missing = [s["name"] for s in (a, b) if not s["breakdown"]]
         lines.append(f"no time breakdown for {', '.join(missing)} (run with --log.spans true)")
     if a["bubble_theory"] is not None or b["bubble_theory"] is not None:
-        lines.append(f"pipeline bubble: A {_pct(a['bubble_measured'])} (theory {_pct(a['bubble_theory'])}) -> "
-                     f"B {_pct(b['bubble_measured'])} (theory {_pct(b['bubble_theory'])})")
-    groups = [g for g in dict.fromkeys([*a["comm_bytes"], *b["comm_bytes"]])
-              if a["comm_bytes"].get(g) or b["comm_bytes"].get(g)]
+        lines.append(
+            f"pipeline bubble: A {_pct(a['bubble_measured'])} (theory {_pct(a['bubble_theory'])}) -> "
+            f"B {_pct(b['bubble_measured'])} (theory {_pct(b['bubble_theory'])})"
+        )
+    groups = [
+        g
+        for g in dict.fromkeys([*a["comm_bytes"], *b["comm_bytes"]])
+        if a["comm_bytes"].get(g) or b["comm_bytes"].get(g)
+    ]
     if groups:
-        lines.append("bytes per step per rank: " + ", ".join(
-            f"{g} {_bytes(a['comm_bytes'].get(g) or 0)} -> {_bytes(b['comm_bytes'].get(g) or 0)}" for g in groups))
+        lines.append(
+            "bytes per step per rank: "
+            + ", ".join(
+                f"{g} {_bytes(a['comm_bytes'].get(g) or 0)} -> {_bytes(b['comm_bytes'].get(g) or 0)}" for g in groups
+            )
+        )
         g = max(groups, key=lambda k: abs((b["comm_bytes"].get(k) or 0) - (a["comm_bytes"].get(k) or 0)))
         delta = (b["comm_bytes"].get(g) or 0) - (a["comm_bytes"].get(g) or 0)
         if delta:
             found["biggest_bytes"] = (g, delta)
-            lines.append(f"biggest byte change: {g} group {'+' if delta > 0 else '-'}{_bytes(abs(delta))} "
-                         "per step per rank")
+            lines.append(
+                f"biggest byte change: {g} group {'+' if delta > 0 else '-'}{_bytes(abs(delta))} per step per rank"
+            )
     diff = config_diff(config_a, config_b)
     lines.append("")
     if diff:

@@ -11,6 +11,7 @@ MoE: a token multiplies through the router (hidden x experts), its top_k experts
 shared expert, so FLOPs (and MFU) count active parameters only; total_params counts every
 expert. Experts have no biases (the shared expert is a plain MLP, biases included for gpt2).
 """
+
 from __future__ import annotations
 
 from threefold.config import ModelConfig
@@ -69,8 +70,7 @@ def _s_eff(seq_len: int, causal: bool) -> float:
     return (seq_len + 1) / 2 if causal else float(seq_len)
 
 
-def attention_flops_per_token_per_layer(cfg: ModelConfig, seq_len: int | None = None,
-                                        causal: bool = True) -> float:
+def attention_flops_per_token_per_layer(cfg: ModelConfig, seq_len: int | None = None, causal: bool = True) -> float:
     """Forward FLOPs of QK^T and (softmax)V for one token in one layer.
 
     Each is `heads` dot products of length hd against s_eff keys: 2 * heads * hd * s_eff
@@ -108,8 +108,9 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, causal: 
     return 3 * forward_flops_per_token(cfg, seq_len, causal)
 
 
-def hardware_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, causal: bool = True,
-                             recompute: str = "none") -> float:
+def hardware_flops_per_token(
+    cfg: ModelConfig, seq_len: int | None = None, causal: bool = True, recompute: str = "none"
+) -> float:
     """FLOPs the device actually executes per token (HFU's numerator).
 
     Model FLOPs plus the forward work that activation recomputation does again:
@@ -132,16 +133,15 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, causa
     return train_flops_per_token(cfg, seq_len, causal) + extra
 
 
-def megatron_flops_per_iteration(batch: int, seq_len: int, layers: int, hidden: int,
-                                 vocab: int) -> float:
+def megatron_flops_per_iteration(batch: int, seq_len: int, layers: int, hidden: int, vocab: int) -> float:
     """Narayanan et al. 2021 (eq. 3): FLOPs of one iteration of a GPT with a 4h MLP,
     full (non-causal) attention and full activation recomputation.
 
     Kept as a reference: hardware_flops_per_token(gpt2 cfg with ffn=4h, kv_heads=heads,
     causal=False, recompute="full") * batch * seq_len reproduces it exactly.
     """
-    b, s, l, h, v = batch, seq_len, layers, hidden, vocab
-    return 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+    b, s, n, h, v = batch, seq_len, layers, hidden, vocab
+    return 96 * b * s * n * h**2 * (1 + s / (6 * h) + v / (16 * n * h))
 
 
 def total_params(cfg: ModelConfig, experts: int | None = None) -> int:
@@ -166,8 +166,15 @@ def total_params(cfg: ModelConfig, experts: int | None = None) -> int:
     # An MoE block's MLP is the router, the experts (no biases) and the shared expert.
     dense_mlp = _mlp_matrices(cfg) * h * cfg.ffn_hidden + (cfg.ffn_hidden + h if cfg.arch == "gpt2" else 0)
     shared = dense_mlp if getattr(cfg, "shared_expert", False) else 0
-    moe_mlp = (h * cfg.num_experts + (cfg.num_experts if experts is None else experts)
-               * _mlp_matrices(cfg) * h * cfg.ffn_hidden + shared) if n_moe else 0
+    moe_mlp = (
+        (
+            h * cfg.num_experts
+            + (cfg.num_experts if experts is None else experts) * _mlp_matrices(cfg) * h * cfg.ffn_hidden
+            + shared
+        )
+        if n_moe
+        else 0
+    )
     return cfg.layers * per_layer + n_moe * (moe_mlp - dense_mlp) + embed + head + final_norm + positions
 
 

@@ -17,6 +17,7 @@ the end of the last completed step stands in for it (an over-estimate by < one s
 Everything is derived from metrics.jsonl (every line carries `segment`, an id of the process
 attempt that wrote it), so the accounting survives restarts: a resumed run re-reads the file.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ def process_start_time() -> float:
     elsewhere: now."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime"))
+        boot = next(
+            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
@@ -106,8 +108,12 @@ class Goodput:
             lost = sum(self.productive.pop(s, 0.0) + self.skipped.pop(s, 0.0) for s in redone)
             self.lost_s += lost + (failed_at - prev["time"])  # the step cut short by the failure
             self.recovery_s += max(0.0, mttr - step_time)
-            failure = {"after_step": prev["step"], "resumed_at_step": step - 1, "lost_steps": len(redone),
-                       "mttr_s": mttr}
+            failure = {
+                "after_step": prev["step"],
+                "resumed_at_step": step - 1,
+                "lost_steps": len(redone),
+                "mttr_s": mttr,
+            }
             self.failures.append(failure)
             out.update(mttr_s=mttr, lost_steps=len(redone))
         (self.skipped if rec.get("step_skipped") else self.productive)[step] = step_time
@@ -124,10 +130,20 @@ class Goodput:
         productive, skipped = sum(self.productive.values()), sum(self.skipped.values())
         other = wall - productive - skipped - self.lost_s - self.recovery_s - self.checkpoint_s
         mttrs = [f["mttr_s"] for f in self.failures]
-        return {"started": self.started, "wall_s": wall, "productive_s": productive, "lost_s": self.lost_s,
-                "recovery_s": self.recovery_s, "checkpoint_s": self.checkpoint_s, "skipped_s": skipped,
-                "other_s": other, "goodput": productive / wall, "steps_kept": len(self.productive),
-                "failures": self.failures, "mttr_s_mean": sum(mttrs) / len(mttrs) if mttrs else None}
+        return {
+            "started": self.started,
+            "wall_s": wall,
+            "productive_s": productive,
+            "lost_s": self.lost_s,
+            "recovery_s": self.recovery_s,
+            "checkpoint_s": self.checkpoint_s,
+            "skipped_s": skipped,
+            "other_s": other,
+            "goodput": productive / wall,
+            "steps_kept": len(self.productive),
+            "failures": self.failures,
+            "mttr_s_mean": sum(mttrs) / len(mttrs) if mttrs else None,
+        }
 
     def write(self) -> None:
         """<log_dir>/goodput.json, replaced atomically."""

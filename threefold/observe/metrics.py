@@ -3,6 +3,7 @@
 Only the rank that logs opens files (enabled=False makes every call a no-op), so the other
 ranks never touch the log directory.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import platform
 import resource
 import sys
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy
@@ -84,7 +85,7 @@ class MetricsWriter:
             self._board.close()
             self._board = None
 
-    def __enter__(self) -> "MetricsWriter":
+    def __enter__(self) -> MetricsWriter:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -117,11 +118,11 @@ def hardware_info(device: torch.device | str) -> dict:
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(device_name=props.name, device_count=torch.cuda.device_count(),
-                    device_memory_bytes=props.total_memory)
+        info.update(
+            device_name=props.name, device_count=torch.cuda.device_count(), device_memory_bytes=props.total_memory
+        )
     else:
-        info.update(device_name=info["cpu_model"] if device.type == "cpu" else device.type,
-                    device_count=1)
+        info.update(device_name=info["cpu_model"] if device.type == "cpu" else device.type, device_count=1)
     return info
 
 
@@ -132,12 +133,21 @@ def _versions() -> dict:
         version = getattr(threefold, "__version__", "unknown")
     except ImportError:
         version = "unknown"
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "numpy": numpy.__version__, "threefold": version}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "threefold": version,
+    }
 
 
-def write_run_json(log_dir: str | Path, config_dict: dict, layout: dict, extra: dict | None = None,
-                   device: torch.device | str | None = None) -> Path:
+def write_run_json(
+    log_dir: str | Path,
+    config_dict: dict,
+    layout: dict,
+    extra: dict | None = None,
+    device: torch.device | str | None = None,
+) -> Path:
     """Write <log_dir>/run.json: resolved config, versions, layout, hardware, start time.
 
     `device` is the device the run trains on (the training loop passes its own); without one
@@ -151,7 +161,7 @@ def write_run_json(log_dir: str | Path, config_dict: dict, layout: dict, extra: 
         "versions": _versions(),
         "layout": layout,
         "hardware": hardware_info(device),
-        "start_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "start_time": datetime.now(UTC).isoformat(timespec="seconds"),
         "extra": extra or {},
     }
     path = Path(log_dir) / "run.json"

@@ -13,11 +13,12 @@ end_step() returns {} without any communication: off costs nothing.
 On: one all-gather over the world per step carries every rank's category seconds, and the bytes
 and calls of every group it belongs to; the logging rank writes their mean and max into
 metrics.jsonl (`time_s`, `comm_bytes`, `comm_calls`) and every rank's detail into spans.jsonl.
-The observer's own gathers fall between two steps and are counted in neither. On the steps in log.trace_steps the ranks' spans go
-to the logging rank (one gather of Python objects) and into trace.json, and the blocking cost
-of the step's data-parallel collectives is measured by replaying them (`dp_comm_serial_s`),
-outside the timed step.
+The observer's own gathers fall between two steps and are counted in neither. On the steps in
+log.trace_steps the ranks' spans go to the logging rank (one gather of Python objects) and into
+trace.json, and the blocking cost of the step's data-parallel collectives is measured by
+replaying them (`dp_comm_serial_s`), outside the timed step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +28,6 @@ from pathlib import Path
 import torch
 
 from threefold.distributed import comm
-
 from threefold.observe.spans import CATEGORIES, SpanRecorder
 from threefold.observe.trace import TraceFile
 
@@ -118,8 +118,11 @@ class StepObserver:
         tracing = self._step in self.trace_steps
         serial = engine.time_serial_comm(repeats=1) if tracing and engine is not None else 0.0
         counts = [now - then for now, then in zip(self._counts(), self._counts0)]  # bytes..., calls...
-        mine = torch.tensor([timeline.wall_s, serial, *(timeline.seconds[c] for c in CATEGORIES), *counts],
-                            dtype=torch.float64, device=self.device)
+        mine = torch.tensor(
+            [timeline.wall_s, serial, *(timeline.seconds[c] for c in CATEGORIES), *counts],
+            dtype=torch.float64,
+            device=self.device,
+        )
         rows = comm.all_gather_dim0(mine.view(1, -1), self.grid.world).cpu()
         per_rank = self._gather_events(timeline.events) if tracing else None
         if not self.is_logger:
@@ -137,17 +140,22 @@ class StepObserver:
     def _write(self, rows: torch.Tensor, per_rank: list | None) -> dict:
         n, g = len(CATEGORIES), len(GROUPS)
         wall, serial = rows[:, 0], rows[:, 1]
-        seconds, nbytes, calls = rows[:, 2:2 + n], rows[:, 2 + n:2 + n + g], rows[:, 2 + n + g:]
+        seconds, nbytes, calls = rows[:, 2 : 2 + n], rows[:, 2 + n : 2 + n + g], rows[:, 2 + n + g :]
         if self._detail is None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._detail = open(self.log_dir / "spans.jsonl", "a", encoding="utf-8")
         ranks = []
         for r in range(rows.shape[0]):
-            ranks.append({"rank": r, **{k: v for k, v in self._coords[r].items() if k in ("tp", "pp", "dp", "ep")},
-                          "wall_s": float(wall[r]),
-                          "time_s": {c: float(seconds[r, i]) for i, c in enumerate(CATEGORIES)},
-                          "comm_bytes": {g: int(nbytes[r, i]) for i, g in enumerate(GROUPS)},
-                          "comm_calls": {g: int(calls[r, i]) for i, g in enumerate(GROUPS)}})
+            ranks.append(
+                {
+                    "rank": r,
+                    **{k: v for k, v in self._coords[r].items() if k in ("tp", "pp", "dp", "ep")},
+                    "wall_s": float(wall[r]),
+                    "time_s": {c: float(seconds[r, i]) for i, c in enumerate(CATEGORIES)},
+                    "comm_bytes": {g: int(nbytes[r, i]) for i, g in enumerate(GROUPS)},
+                    "comm_calls": {g: int(calls[r, i]) for i, g in enumerate(GROUPS)},
+                }
+            )
         self._detail.write(json.dumps({"step": self._step, "ranks": ranks}) + "\n")
         self._detail.flush()
         if per_rank is not None:
@@ -156,8 +164,10 @@ class StepObserver:
             self._trace.add_step(self._step, list(enumerate(per_rank)), float(wall.max()))
         fields = {
             "span_step_s": {"mean": float(wall.mean()), "max": float(wall.max())},
-            "time_s": {"mean": {c: float(seconds[:, i].mean()) for i, c in enumerate(CATEGORIES)},
-                       "max": {c: float(seconds[:, i].max()) for i, c in enumerate(CATEGORIES)}},
+            "time_s": {
+                "mean": {c: float(seconds[:, i].mean()) for i, c in enumerate(CATEGORIES)},
+                "max": {c: float(seconds[:, i].max()) for i, c in enumerate(CATEGORIES)},
+            },
             "comm_bytes": {g: float(nbytes[:, i].mean()) for i, g in enumerate(GROUPS)},
             "comm_calls": {g: float(calls[:, i].mean()) for i, g in enumerate(GROUPS)},
         }

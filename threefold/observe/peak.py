@@ -6,6 +6,7 @@ warning: an MFU against a guessed peak is worse than no MFU. A CPU has no datash
 trust (clocks, AVX-512/AMX, thread count), so its peak is measured once by a matmul
 micro-benchmark and cached on disk.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,7 @@ def _warn_once(name: str, dtype: torch.dtype, why: str) -> None:
     key = (name, str(dtype))
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(f"no dense peak FLOP/s for {name!r} in {dtype} ({why}); MFU will be null",
-                      stacklevel=3)
+        warnings.warn(f"no dense peak FLOP/s for {name!r} in {dtype} ({why}); MFU will be null", stacklevel=3)
 
 
 def _fp32_matmul_key() -> str:
@@ -102,6 +102,7 @@ def _measure_cpu_peak(dtype: torch.dtype, budget_s: float = 0.35) -> float:
     Re-deciding after every run lets a slow start (a thread pool waking up, a busy
     neighbour) recover instead of pinning the benchmark to a tiny, overhead-bound size.
     """
+
     def rate(n: int) -> float:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         t0 = time.perf_counter()
@@ -173,8 +174,9 @@ def cpu_peak_flops(dtype: torch.dtype, threads: int | None = None, cache_dir: st
     return peak
 
 
-def device_peak_flops(device: torch.device | str, dtype: torch.dtype, threads: int | None = None,
-                      cache_dir: str = "") -> float | None:
+def device_peak_flops(
+    device: torch.device | str, dtype: torch.dtype, threads: int | None = None, cache_dir: str = ""
+) -> float | None:
     """Dense peak FLOP/s of `device` in `dtype`, or None when it is not known.
 
     cuda: datasheet table by device name. cpu: measured once with `threads` torch threads

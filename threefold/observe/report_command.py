@@ -1,4 +1,5 @@
 """`threefold report RUN_DIR [RUN_B]`: summarize one run (text, plots, HTML) or compare two."""
+
 from __future__ import annotations
 
 import argparse
@@ -39,15 +40,18 @@ def report_command(argv: list[str]) -> int:
     from threefold.observe import plots
 
     if not plots.have_matplotlib():
-        print("note: matplotlib is not installed, so no plots or HTML page were written "
-              "(pip install 'threefold[plots]')")
+        print(
+            "note: matplotlib is not installed, so no plots or HTML page were written (pip install 'threefold[plots]')"
+        )
         return 0
     out = Path(args.out) if args.out else run.path / "report"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        images = [plots.loss_plot(run, out / "loss.png"),
-                  plots.timeline_plot(run, out / "timeline.png"),
-                  plots.breakdown_plot(run, summary["per_rank"], out / "breakdown.png")]
+        images = [
+            plots.loss_plot(run, out / "loss.png"),
+            plots.timeline_plot(run, out / "timeline.png"),
+            plots.breakdown_plot(run, summary["per_rank"], out / "breakdown.png"),
+        ]
         images = [i for i in images if i is not None]
         page = plots.write_html(out / "report.html", f"threefold report: {run.name}", text, images)
     except OSError as err:
@@ -57,6 +61,8 @@ def report_command(argv: list[str]) -> int:
         missing.append("no timeline (set log.trace_steps)")
     if not summary["per_rank"]:
         missing.append("no per-rank breakdown (set log.spans true)")
-    print(f"wrote {', '.join(i.name for i in images)} and {page.name} to {out}"
-          + (f" ({'; '.join(missing)})" if missing else ""))
+    print(
+        f"wrote {', '.join(i.name for i in images)} and {page.name} to {out}"
+        + (f" ({'; '.join(missing)})" if missing else "")
+    )
     return 0

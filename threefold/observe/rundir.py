@@ -2,6 +2,7 @@
 trace.json. A missing or unreadable required file is one clear line (RunDirError, exit 2); a
 half-written last line (a run still going, or killed mid-write) is dropped with a note.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,11 @@ def load_run(path: str | Path) -> Run:
         raise RunDirError(f"report: {path} is not a directory (give the run's log.dir)")
     run_json, metrics_path = path / "run.json", path / "metrics.jsonl"
     if not run_json.exists():
-        what = "has metrics.jsonl but no run.json (copied in part?)" if metrics_path.exists() else \
-            "has no run.json (not a run directory, or the run never started)"
+        what = (
+            "has metrics.jsonl but no run.json (copied in part?)"
+            if metrics_path.exists()
+            else "has no run.json (not a run directory, or the run never started)"
+        )
         raise RunDirError(f"report: {path} {what}")
     try:
         info = json.loads(run_json.read_text(encoding="utf-8"))

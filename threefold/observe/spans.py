@@ -22,6 +22,7 @@ recorded on the current stream, read after one synchronize at the end of the ste
 returns from a kernel launch or NCCL's wait() long before the device is done, so only events
 on the stream say when the device reached each edge.
 """
+
 from __future__ import annotations
 
 import time
@@ -59,7 +60,7 @@ class StepTimeline:
 class _Span:
     __slots__ = ("rec", "category", "label")
 
-    def __init__(self, rec: "SpanRecorder", category: str, label):
+    def __init__(self, rec: SpanRecorder, category: str, label):
         self.rec, self.category, self.label = rec, category, label
 
     def __enter__(self):

@@ -1,8 +1,9 @@
 """One optimizer step as every rank agrees on it, and the metrics.jsonl record made from it.
 
-    result = trainer.train_step(step)                 # a StepResult
-    record = step_record(result, throughput)          # the fields of one metrics.jsonl line
+result = trainer.train_step(step)                 # a StepResult
+record = step_record(result, throughput)          # the fields of one metrics.jsonl line
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -59,13 +60,25 @@ def step_record(result: StepResult, throughput: Throughput, now: float) -> dict:
     t = throughput
     tflops = t.flops_per_step / t.world / result.step_time_s / 1e12
     record = {
-        "step": result.step, "time": now, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
-        "tokens": result.step * t.tokens_per_step, "step_time_s": result.step_time_s,
-        "tokens_per_s": t.tokens_per_step / result.step_time_s, "model_tflops_per_device": tflops,
-        "mfu": mfu(tflops * 1e12, t.peak_flops), "peak_mem_bytes": result.peak_mem_bytes,
-        "data_wait_s": result.data_wait_s, "tp_comm_bytes": result.tp_comm_bytes, "pp_idle_s": result.pp_idle_s,
-        "pp_idle_fraction": result.pp_idle_fraction, "pp_bubble_theory": t.bubble_theory,
-        "dp_exposed_s": result.dp_exposed_s, "loss_scale": result.loss_scale, "step_skipped": not result.applied,
+        "step": result.step,
+        "time": now,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "tokens": result.step * t.tokens_per_step,
+        "step_time_s": result.step_time_s,
+        "tokens_per_s": t.tokens_per_step / result.step_time_s,
+        "model_tflops_per_device": tflops,
+        "mfu": mfu(tflops * 1e12, t.peak_flops),
+        "peak_mem_bytes": result.peak_mem_bytes,
+        "data_wait_s": result.data_wait_s,
+        "tp_comm_bytes": result.tp_comm_bytes,
+        "pp_idle_s": result.pp_idle_s,
+        "pp_idle_fraction": result.pp_idle_fraction,
+        "pp_bubble_theory": t.bubble_theory,
+        "dp_exposed_s": result.dp_exposed_s,
+        "loss_scale": result.loss_scale,
+        "step_skipped": not result.applied,
     }
     record.update(result.extra)
     return record

@@ -4,6 +4,7 @@ Figures are over the steady steps (all but the first, which pays start-up costs)
 has only one. Time categories are seconds per step, mean over ranks (metrics.jsonl `time_s`),
 and per rank from spans.jsonl.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -53,8 +54,10 @@ def per_rank(run: Run) -> dict[int, dict]:
     out: dict[int, dict] = {}
     for line in run.steady(run.spans):
         for r in line["ranks"]:
-            entry = out.setdefault(r["rank"], {"walls": [], "rows": [], "bytes": [],
-                                               "coords": {k: r[k] for k in ("tp", "pp", "dp", "ep") if k in r}})
+            entry = out.setdefault(
+                r["rank"],
+                {"walls": [], "rows": [], "bytes": [], "coords": {k: r[k] for k in ("tp", "pp", "dp", "ep") if k in r}},
+            )
             entry["walls"].append(r.get("wall_s", 0.0))
             entry["rows"].append(r.get("time_s", {}))
             entry["bytes"].append(r.get("comm_bytes", {}))
@@ -98,15 +101,22 @@ def summarize(run: Run) -> dict:
     cfg = run.config
     p = cfg.get("parallel", {})
     out = {
-        "name": run.name, "steps": run.metrics[-1].get("step"), "layout": _layout(cfg),
+        "name": run.name,
+        "steps": run.metrics[-1].get("step"),
+        "layout": _layout(cfg),
         "step_time_s": _median([r.get("step_time_s") for r in steady]),
         "tokens_per_s": _median([r.get("tokens_per_s") for r in steady]),
         "mfu": _median([r.get("mfu") for r in steady]),
-        "loss_first": run.metrics[0].get("loss"), "loss_last": run.metrics[-1].get("loss"),
-        "breakdown": breakdown(steady), "wall_s": _mean([r.get("span_step_s", {}).get("mean") for r in steady]),
+        "loss_first": run.metrics[0].get("loss"),
+        "loss_last": run.metrics[-1].get("loss"),
+        "breakdown": breakdown(steady),
+        "wall_s": _mean([r.get("span_step_s", {}).get("mean") for r in steady]),
         "bubble_theory": run.metrics[-1].get("pp_bubble_theory") if p.get("pp", 1) > 1 else None,
-        "comm_bytes": {}, "dp_comm_serial_s": _mean([r.get("dp_comm_serial_s") for r in run.metrics]),
-        "per_rank": per_rank(run), "notes": list(run.notes), "zero": p.get("zero", 0) if p.get("dp", 1) > 1 else 0,
+        "comm_bytes": {},
+        "dp_comm_serial_s": _mean([r.get("dp_comm_serial_s") for r in run.metrics]),
+        "per_rank": per_rank(run),
+        "notes": list(run.notes),
+        "zero": p.get("zero", 0) if p.get("dp", 1) > 1 else 0,
     }
     ratio = hfu_ratio(cfg)
     out["hfu"] = out["mfu"] * ratio if out["mfu"] is not None and ratio is not None else None
@@ -117,8 +127,9 @@ def summarize(run: Run) -> dict:
     out["bubble_measured"] = b["pp_bubble"] / wall if b and wall else None
     out["stragglers"] = stragglers(out["per_rank"])
     out["experts"] = _keys_like(steady, ("expert", "imbalance"))
-    out["goodput"] = _keys_like(run.metrics[-1:], ("goodput",)) or \
-        {k: v for k, v in run.info.get("extra", {}).items() if "goodput" in k and isinstance(v, (int, float))}
+    out["goodput"] = _keys_like(run.metrics[-1:], ("goodput",)) or {
+        k: v for k, v in run.info.get("extra", {}).items() if "goodput" in k and isinstance(v, (int, float))
+    }
     return out
 
 
@@ -151,10 +162,12 @@ def _bytes(n):
 
 
 def format_summary(s: dict) -> str:
-    lines = [f"run {s['name']}: {s['layout']}, {s['steps']} steps",
-             f"  step time {_ms(s['step_time_s'])} (median)   tokens/s {s['tokens_per_s'] or 0:,.0f}   "
-             f"MFU {_pct(s['mfu'])}   HFU {_pct(s['hfu'])}",
-             f"  loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}" if s["loss_first"] is not None else "  loss n/a"]
+    lines = [
+        f"run {s['name']}: {s['layout']}, {s['steps']} steps",
+        f"  step time {_ms(s['step_time_s'])} (median)   tokens/s {s['tokens_per_s'] or 0:,.0f}   "
+        f"MFU {_pct(s['mfu'])}   HFU {_pct(s['hfu'])}",
+        f"  loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}" if s["loss_first"] is not None else "  loss n/a",
+    ]
     b, wall = s["breakdown"], s["wall_s"]
     if not b:
         lines.append("  no time breakdown: the run had log.spans off (rerun with --log.spans true)")
@@ -164,29 +177,39 @@ def format_summary(s: dict) -> str:
             if b[c] > 5e-4 * wall:  # leave out what rounds to nothing
                 lines.append(f"    {c:<12} {_ms(b[c]):>12} {_pct(b[c] / wall if wall else None):>7}")
         if s["bubble_theory"] is not None:
-            lines.append(f"  pipeline bubble: measured {_pct(s['bubble_measured'])} of the step, "
-                         f"theory {_pct(s['bubble_theory'])}")
+            lines.append(
+                f"  pipeline bubble: measured {_pct(s['bubble_measured'])} of the step, "
+                f"theory {_pct(s['bubble_theory'])}"
+            )
         exposed = sum(b[c] for c in ("tp_comm", "pp_p2p", "dp_exposed", "ep_a2a"))
-        lines.append(f"  exposed communication: {_ms(exposed)} ({_pct(exposed / wall if wall else None)}): "
-                     f"tp {_ms(b['tp_comm'])}, pp {_ms(b['pp_p2p'])}, dp {_ms(b['dp_exposed'])}, "
-                     f"ep {_ms(b['ep_a2a'])}")
+        lines.append(
+            f"  exposed communication: {_ms(exposed)} ({_pct(exposed / wall if wall else None)}): "
+            f"tp {_ms(b['tp_comm'])}, pp {_ms(b['pp_p2p'])}, dp {_ms(b['dp_exposed'])}, "
+            f"ep {_ms(b['ep_a2a'])}"
+        )
         if s["dp_comm_serial_s"] and s["zero"] == 3:
-            lines.append(f"  dp gradient reduction: {_ms(s['dp_comm_serial_s'])} if run blocking "
-                         f"(dp_exposed also holds ZeRO-3's parameter-gather waits)")
+            lines.append(
+                f"  dp gradient reduction: {_ms(s['dp_comm_serial_s'])} if run blocking "
+                f"(dp_exposed also holds ZeRO-3's parameter-gather waits)"
+            )
         elif s["dp_comm_serial_s"]:
             hidden = 1 - b["dp_exposed"] / s["dp_comm_serial_s"]
-            lines.append(f"  dp gradient communication: {_ms(s['dp_comm_serial_s'])} if run blocking, "
-                         f"{_ms(b['dp_exposed'])} exposed ({_pct(max(0.0, hidden))} hidden; exposed includes "
-                         "waiting for a slower dp peer)")
+            lines.append(
+                f"  dp gradient communication: {_ms(s['dp_comm_serial_s'])} if run blocking, "
+                f"{_ms(b['dp_exposed'])} exposed ({_pct(max(0.0, hidden))} hidden; exposed includes "
+                "waiting for a slower dp peer)"
+            )
     if s["comm_bytes"]:
-        lines.append("  bytes per step per rank: " + ", ".join(
-            f"{g} {_bytes(v)}" for g, v in s["comm_bytes"].items() if v))
+        lines.append(
+            "  bytes per step per rank: " + ", ".join(f"{g} {_bytes(v)}" for g, v in s["comm_bytes"].items() if v)
+        )
     if s["per_rank"]:
         slow = s["stragglers"]
         if slow:
             for r, excess, cat in slow:
-                lines.append(f"  straggler: rank {r} computes {_pct(excess)} longer than the median rank "
-                             f"(mostly {cat})")
+                lines.append(
+                    f"  straggler: rank {r} computes {_pct(excess)} longer than the median rank (mostly {cat})"
+                )
         else:
             lines.append(f"  stragglers: none (every rank within {_pct(STRAGGLER_MARGIN)} of the median compute time)")
     for k, v in s["experts"].items():

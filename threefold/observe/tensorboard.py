@@ -3,6 +3,7 @@
 Every number in a metrics line becomes a scalar at that line's step; nested fields are
 flattened into tags ("time_s/mean/forward"). Booleans and text are left out.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,8 +29,11 @@ class ScalarBoard:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError("log.tensorboard", "the tensorboard package is not installed",
-                              "pip install 'threefold[tensorboard]' or set log.tensorboard false") from None
+            raise ConfigError(
+                "log.tensorboard",
+                "the tensorboard package is not installed",
+                "pip install 'threefold[tensorboard]' or set log.tensorboard false",
+            ) from None
         self._writer = SummaryWriter(log_dir=str(log_dir))
 
     def write(self, record: dict) -> None:

@@ -6,6 +6,7 @@ every step begins right after the previous step's global reductions, so the rank
 within that reduction's skew on any number of hosts (perf_counter is not one clock across
 nodes). Traced steps follow one another on the time axis, separated by a small gap.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,19 @@ def metadata_events(ranks: list[tuple[int, dict]]) -> list[dict]:
     """Track names and order: one process per rank."""
     out = []
     for rank, coords in ranks:
-        out.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "ts": 0,
-                    "args": {"name": rank_name(rank, coords)}})
-        out.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "ts": 0,
-                    "args": {"sort_index": rank}})
+        out.append(
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": rank,
+                "tid": 0,
+                "ts": 0,
+                "args": {"name": rank_name(rank, coords)},
+            }
+        )
+        out.append(
+            {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "ts": 0, "args": {"sort_index": rank}}
+        )
     return out
 
 
@@ -37,9 +47,18 @@ def step_events(step: int, offset_us: float, per_rank: list[tuple[int, list]]) -
     out = []
     for rank, events in per_rank:
         for category, label, start, duration, depth in events:
-            out.append({"name": f"step {step}" if depth == 0 else label, "cat": category, "ph": "X",
-                        "ts": offset_us + start * 1e6, "dur": duration * 1e6, "pid": rank, "tid": 0,
-                        "args": {"step": step, "depth": depth}})
+            out.append(
+                {
+                    "name": f"step {step}" if depth == 0 else label,
+                    "cat": category,
+                    "ph": "X",
+                    "ts": offset_us + start * 1e6,
+                    "dur": duration * 1e6,
+                    "pid": rank,
+                    "tid": 0,
+                    "args": {"step": step, "depth": depth},
+                }
+            )
     return out
 
 
@@ -86,8 +105,9 @@ def gantt_rows(doc: dict, step: int | None = None) -> tuple[int, dict[int, list]
         a = e["args"]
         if a.get("step") != step or a.get("depth", 0) == 0:
             continue
-        rows.setdefault(e["pid"], []).append((e["cat"], e["name"], (e["ts"] - starts.get(e["pid"], 0.0)) / 1e3,
-                                              e["dur"] / 1e3, a.get("depth", 1)))
+        rows.setdefault(e["pid"], []).append(
+            (e["cat"], e["name"], (e["ts"] - starts.get(e["pid"], 0.0)) / 1e3, e["dur"] / 1e3, a.get("depth", 1))
+        )
     for r in rows.values():
         r.sort(key=lambda x: (x[2], x[4]))
     return step, dict(sorted(rows.items()))

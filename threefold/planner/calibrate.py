@@ -18,6 +18,7 @@ see (its column is not ~ a combination of those already free) and there are more
 than free parameters; the rest keep their prior. A parameter fitted to a non-physical value
 (<= 0) is put back to its prior and the fit repeated.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,8 +40,10 @@ from threefold.planner.validation import bands_from_rows
 
 # Measured part of a step -> (span categories of spans.jsonl it sums, predicted categories it is).
 SPANS = {
-    "span_work_s": (("forward", "backward", "weight_grad", "recompute", "pp_bubble", "sync", "data_wait", "other"),
-                    ("compute", "recompute", "overhead", "bubble")),
+    "span_work_s": (
+        ("forward", "backward", "weight_grad", "recompute", "pp_bubble", "sync", "data_wait", "other"),
+        ("compute", "recompute", "overhead", "bubble"),
+    ),
     "span_tp_comm_s": (("tp_comm",), ("tp_comm",)),
     "span_ep_comm_s": (("ep_a2a",), ("ep_comm",)),
     "span_pp_comm_s": (("pp_p2p",), ("pp_comm",)),
@@ -51,8 +54,17 @@ EXPONENT = "core_share_exponent"  # fitted on a grid, not by least squares (see 
 SPAN_WORK = ("forward", "backward", "weight_grad", "recompute")
 # Every measured key -> the predicted categories (or `StepTerms.extra` entries) it sums.
 MEASURED = {"pp_idle_s": ("pp_idle",), **{key: cats for key, (_, cats) in SPANS.items()}}
-PRIORITY = ("compute_efficiency", "intra_bw_gbps", "layer_overhead_us", "collective_overhead_us", "step_overhead_s",
-            "intra_latency_us", "inter_bw_gbps", "inter_latency_us", "mem_bw_gbps")
+PRIORITY = (
+    "compute_efficiency",
+    "intra_bw_gbps",
+    "layer_overhead_us",
+    "collective_overhead_us",
+    "step_overhead_s",
+    "intra_latency_us",
+    "inter_bw_gbps",
+    "inter_latency_us",
+    "mem_bw_gbps",
+)
 
 
 @dataclass
@@ -118,19 +130,40 @@ def load_run(path: str, warmup: int | None = None) -> Run:
             cats[key] = statistics.median(values)
     p, t = cfg.parallel, cfg.train
     layout_info = info.get("layout", {})
-    layout = Layout(tp=layout_info.get("tp", p.tp), pp=layout_info.get("pp", p.pp), dp=layout_info.get("dp", p.dp),
-                    vpp=p.vpp, mbs=t.micro_batch, schedule=p.schedule if p.pp > 1 else "1f1b", zero=p.zero,
-                    sp=p.sp, recompute=t.recompute, ep=p.ep)
+    layout = Layout(
+        tp=layout_info.get("tp", p.tp),
+        pp=layout_info.get("pp", p.pp),
+        dp=layout_info.get("dp", p.dp),
+        vpp=p.vpp,
+        mbs=t.micro_batch,
+        schedule=p.schedule if p.pp > 1 else "1f1b",
+        zero=p.zero,
+        sp=p.sp,
+        recompute=t.recompute,
+        ep=p.ep,
+    )
     hardware = info.get("hardware", {})
     extra = info.get("extra", {})
     device_type = hardware.get("device_type", "cpu")
     dtype_text = str(extra.get("dtype", t.dtype))
-    dtype = "bf16" if "bfloat16" in dtype_text or dtype_text == "bf16" else (
-        "fp32" if ("float32" in dtype_text or dtype_text == "fp32" or device_type == "cpu") else "bf16")
+    dtype = (
+        "bf16"
+        if "bfloat16" in dtype_text or dtype_text == "bf16"
+        else ("fp32" if ("float32" in dtype_text or dtype_text == "fp32" or device_type == "cpu") else "bf16")
+    )
     peak = extra.get("peak_flops_per_device")
-    return Run(path=str(path), cfg=cfg, layout=layout, dtype=dtype, step_time_s=step, categories=cats,
-               steps_used=len(used), peak_flops=float(peak) if isinstance(peak, (int, float)) else None,
-               host_cores=hardware.get("logical_cores"), device_type=device_type)
+    return Run(
+        path=str(path),
+        cfg=cfg,
+        layout=layout,
+        dtype=dtype,
+        step_time_s=step,
+        categories=cats,
+        steps_used=len(used),
+        peak_flops=float(peak) if isinstance(peak, (int, float)) else None,
+        host_cores=hardware.get("logical_cores"),
+        device_type=device_type,
+    )
 
 
 def _slowest_rank_spans(path: Path, steps: set) -> dict[str, list[float]]:
@@ -191,9 +224,11 @@ class Calibration:
     rows: list[Row]
 
     def changes(self) -> dict[str, tuple[float, float]]:
-        return {name: (getattr(self.prior, name), getattr(self.cluster, name))
-                for name in PRIORITY + (EXPONENT,)
-                if name in self.free or getattr(self.prior, name) != getattr(self.cluster, name)}
+        return {
+            name: (getattr(self.prior, name), getattr(self.cluster, name))
+            for name in PRIORITY + (EXPONENT,)
+            if name in self.free or getattr(self.prior, name) != getattr(self.cluster, name)
+        }
 
     def bands(self) -> dict:
         """Per category, predicted / measured - 1 over every run, fitted or held out (validation.Band)."""
@@ -203,10 +238,20 @@ class Calibration:
         return {
             "fitted": {k: {"prior": a, "fitted": b} for k, (a, b) in self.changes().items()},
             "error_bands": {k: b._asdict() for k, b in self.bands().items()},
-            "rows": [{"run": r.run.path, "layout": r.run.layout.spec(), "category": r.category,
-                      "measured_s": r.measured, "prior_s": r.prior, "predicted_s": r.fitted,
-                      "error": r.fitted / r.measured - 1, "held_out": r.held_out, "predicted_split_s": r.split}
-                     for r in self.rows],
+            "rows": [
+                {
+                    "run": r.run.path,
+                    "layout": r.run.layout.spec(),
+                    "category": r.category,
+                    "measured_s": r.measured,
+                    "prior_s": r.prior,
+                    "predicted_s": r.fitted,
+                    "error": r.fitted / r.measured - 1,
+                    "held_out": r.held_out,
+                    "predicted_split_s": r.split,
+                }
+                for r in self.rows
+            ],
         }
 
 
@@ -232,8 +277,13 @@ def _predict(terms: dict, cl: Cluster, values: dict[str, float]) -> float:
     return sum(coef * (values[n] if n in values else unit(cl, n)) for n, coef in terms.items())
 
 
-def fit(runs: list[Run], base: Cluster, free: list[str] | None = None, held_out: list[Run] = (),
-        explicit: set[str] = frozenset()) -> Calibration:
+def fit(
+    runs: list[Run],
+    base: Cluster,
+    free: list[str] | None = None,
+    held_out: list[Run] = (),
+    explicit: set[str] = frozenset(),
+) -> Calibration:
     """Least-squares fit of the parameters in `free` (default: chosen in PRIORITY order) to `runs`.
     `explicit`: cluster keys the user set, which win over what run.json recorded (cpu peak, cores).
 
@@ -246,15 +296,19 @@ def fit(runs: list[Run], base: Cluster, free: list[str] | None = None, held_out:
         raise ConfigError("--calibrate", "no runs to calibrate on")
     for name in free or ():
         if name not in PRIORITY + (EXPONENT,):
-            raise ConfigError("--fit", f"{name!r} is not a fittable parameter",
-                              "valid: " + ", ".join(PRIORITY + (EXPONENT,)))
+            raise ConfigError(
+                "--fit", f"{name!r} is not a fittable parameter", "valid: " + ", ".join(PRIORITY + (EXPONENT,))
+            )
     if any(run.step_time_s <= 0 for run in runs):
         raise ConfigError("--calibrate", "a run has a non-positive step time")
     exponents = [base.core_share_exponent]
     if free and EXPONENT in free:
         if not _shares_differ(runs, base, explicit):
-            raise ConfigError("--fit", "core_share_exponent needs runs whose processes share cores to different "
-                              "degrees", "add a run with more processes than cores, and one with fewer")
+            raise ConfigError(
+                "--fit",
+                "core_share_exponent needs runs whose processes share cores to different degrees",
+                "add a run with more processes than cores, and one with fewer",
+            )
         exponents = [1.0 + 0.02 * i for i in range(51)]
         free = [n for n in free if n != EXPONENT] or None
     best = None
@@ -269,11 +323,14 @@ def fit(runs: list[Run], base: Cluster, free: list[str] | None = None, held_out:
     check_cluster(fitted)
     rows = []
     for group, flag in ((runs, False), (list(held_out), True)):
-        for run, cat, terms, cl, measured, st in _equations(group, base, explicit):
+        for run, cat, terms, cl, measured, _ in _equations(group, base, explicit):
             cl_fit = cluster_for_run(fitted, run, explicit)
             st_fit = step_terms(model_shape(run.cfg.model), cl_fit, run.layout, run.cfg.train.global_batch, run.dtype)
-            terms_fit = st_fit.total() if cat == "step" else merge_terms(
-                *({**st_fit.categories, **st_fit.extra}.get(c, {}) for c in MEASURED[cat]))
+            terms_fit = (
+                st_fit.total()
+                if cat == "step"
+                else merge_terms(*({**st_fit.categories, **st_fit.extra}.get(c, {}) for c in MEASURED[cat]))
+            )
             split = st_fit.times(cl_fit) if cat == "step" else {}
             rows.append(Row(run, cat, measured, _predict(terms, cl, {}), _predict(terms_fit, cl_fit, {}), flag, split))
     return Calibration(fitted, base, names, rows)

@@ -9,6 +9,7 @@ runs and `--save-profile FILE` writes the result as a profile for the next plan.
 Units: bandwidths in GB/s (10^9 bytes per second, one direction, per device, as the "bus
 bandwidth" nccl-tests reports), latencies in microseconds, memory in GiB.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,10 @@ class Cluster:
     inter_bw_gbps: float = knob(0.0, "Per-device bus bandwidth reached between nodes, GB/s one way (its share of NICs)")
     intra_latency_us: float = knob(0.0, "Latency of one ring step inside a node, microseconds")
     inter_latency_us: float = knob(0.0, "Latency of one ring step between nodes, microseconds")
-    collective_overhead_us: float = knob(-1.0, "Fixed cost of one collective call: launch and the group's "
-                                               "rendezvous (cpu: a scheduling round) (-1 = profile)")
+    collective_overhead_us: float = knob(
+        -1.0,
+        "Fixed cost of one collective call: launch and the group's rendezvous (cpu: a scheduling round) (-1 = profile)",
+    )
     compute_efficiency: float = knob(0.0, "Fraction of peak the model's matmuls reach (0 = the profile's prior)")
     layer_overhead_us: float = knob(-1.0, "Time per layer and micro-batch, fwd + bwd: launches, Python (-1 = profile)")
     step_overhead_s: float = knob(-1.0, "Fixed time per step outside the model: data, logging, sync (-1 = profile)")
@@ -48,11 +51,20 @@ class Cluster:
     tp_overlap: float = knob(-1.0, "Fraction of TP/SP communication hidden under compute (-1 = profile; 0 = none)")
     allow_tp_across_nodes: bool = knob(False, "Let a tensor-parallel group span nodes (over the inter-node link)")
     host_cores: int = knob(0, "cpu: cores the node's processes share; fewer than processes slows each (0 = no sharing)")
-    core_share_exponent: float = knob(0.0, "cpu: with more processes than cores each runs at (cores / processes) "
-                                           "** this of a core; above 1: switches and cache contention (0 = profile)")
-    validation: dict = field(default_factory=dict, repr=False, compare=False, metadata={
-        "doc": "Error band of each predicted category, from a calibrated profile's [validation] table",
-        "table": True})
+    core_share_exponent: float = knob(
+        0.0,
+        "cpu: with more processes than cores each runs at (cores / processes) "
+        "** this of a core; above 1: switches and cache contention (0 = profile)",
+    )
+    validation: dict = field(
+        default_factory=dict,
+        repr=False,
+        compare=False,
+        metadata={
+            "doc": "Error band of each predicted category, from a calibrated profile's [validation] table",
+            "table": True,
+        },
+    )
 
     @property
     def world(self) -> int:
@@ -81,18 +93,54 @@ class Cluster:
 # Datasheet numbers, and priors for the efficiency parameters (calibrate them: docs/planner.md).
 # Bandwidths are what NCCL reaches, not the link's nominal rate: NVLink3 300 GB/s -> ~235,
 # NVLink4 450 -> ~360; one 200 Gb/s HDR NIC per GPU -> ~23 GB/s, 400 Gb/s NDR -> ~45.
-_GPU_COMMON = dict(reserved_gib=3.0, intra_latency_us=5.0, inter_latency_us=10.0, collective_overhead_us=10.0,
-                   layer_overhead_us=10.0,
-                   step_overhead_s=0.01, dp_overlap=0.0, tp_overlap=0.0, devices_per_node=8)
+_GPU_COMMON = dict(
+    reserved_gib=3.0,
+    intra_latency_us=5.0,
+    inter_latency_us=10.0,
+    collective_overhead_us=10.0,
+    layer_overhead_us=10.0,
+    step_overhead_s=0.01,
+    dp_overlap=0.0,
+    tp_overlap=0.0,
+    devices_per_node=8,
+)
 PROFILES: dict[str, dict[str, Any]] = {
-    "a100-40gb": dict(_GPU_COMMON, peak_name="NVIDIA A100-SXM4-40GB", memory_gib=40.0, mem_bw_gbps=1555.0,
-                      intra_bw_gbps=235.0, inter_bw_gbps=23.0, compute_efficiency=0.7),
-    "a100-80gb": dict(_GPU_COMMON, peak_name="NVIDIA A100-SXM4-80GB", memory_gib=80.0, mem_bw_gbps=2039.0,
-                      intra_bw_gbps=235.0, inter_bw_gbps=23.0, compute_efficiency=0.7),
-    "h100": dict(_GPU_COMMON, peak_name="NVIDIA H100 80GB HBM3", memory_gib=80.0, mem_bw_gbps=3350.0,
-                 intra_bw_gbps=360.0, inter_bw_gbps=45.0, compute_efficiency=0.6),
-    "h200": dict(_GPU_COMMON, peak_name="NVIDIA H200", memory_gib=140.0, mem_bw_gbps=4800.0,
-                 intra_bw_gbps=360.0, inter_bw_gbps=45.0, compute_efficiency=0.62),
+    "a100-40gb": dict(
+        _GPU_COMMON,
+        peak_name="NVIDIA A100-SXM4-40GB",
+        memory_gib=40.0,
+        mem_bw_gbps=1555.0,
+        intra_bw_gbps=235.0,
+        inter_bw_gbps=23.0,
+        compute_efficiency=0.7,
+    ),
+    "a100-80gb": dict(
+        _GPU_COMMON,
+        peak_name="NVIDIA A100-SXM4-80GB",
+        memory_gib=80.0,
+        mem_bw_gbps=2039.0,
+        intra_bw_gbps=235.0,
+        inter_bw_gbps=23.0,
+        compute_efficiency=0.7,
+    ),
+    "h100": dict(
+        _GPU_COMMON,
+        peak_name="NVIDIA H100 80GB HBM3",
+        memory_gib=80.0,
+        mem_bw_gbps=3350.0,
+        intra_bw_gbps=360.0,
+        inter_bw_gbps=45.0,
+        compute_efficiency=0.6,
+    ),
+    "h200": dict(
+        _GPU_COMMON,
+        peak_name="NVIDIA H200",
+        memory_gib=140.0,
+        mem_bw_gbps=4800.0,
+        intra_bw_gbps=360.0,
+        inter_bw_gbps=45.0,
+        compute_efficiency=0.62,
+    ),
     # CPU: the peak is measured (observe.peak, one thread per process), memory is the host's
     # RAM shared by the processes, and gloo over shared memory/loopback is the "link". Latency
     # and call cost are bench/ring_latency.py's on 2 cores with 4 ranks computing 20 ms between
@@ -100,18 +148,49 @@ PROFILES: dict[str, dict[str, Any]] = {
     # ranks than cores a ring step waits for the peer to get a core back, which dwarfs the
     # wire; one process per core pays far less, and calibration refits both. Between CPU nodes
     # (not measured) the same wait is assumed, the scheduler's share dwarfing a LAN hop.
-    "cpu": dict(peak_name="cpu", reserved_gib=0.5, mem_bw_gbps=5.0, intra_bw_gbps=1.0, inter_bw_gbps=0.1,
-                intra_latency_us=1400.0, inter_latency_us=1400.0, collective_overhead_us=3700.0, compute_efficiency=0.5,
-                layer_overhead_us=1000.0,
-                step_overhead_s=0.01, dp_overlap=0.0, tp_overlap=0.0, core_share_exponent=1.3),
+    "cpu": dict(
+        peak_name="cpu",
+        reserved_gib=0.5,
+        mem_bw_gbps=5.0,
+        intra_bw_gbps=1.0,
+        inter_bw_gbps=0.1,
+        intra_latency_us=1400.0,
+        inter_latency_us=1400.0,
+        collective_overhead_us=3700.0,
+        compute_efficiency=0.5,
+        layer_overhead_us=1000.0,
+        step_overhead_s=0.01,
+        dp_overlap=0.0,
+        tp_overlap=0.0,
+        core_share_exponent=1.3,
+    ),
 }
-ALIASES = {"a100": "a100-80gb", "a100-80g": "a100-80gb", "a100-40g": "a100-40gb", "h100-sxm": "h100",
-           "h100-80gb": "h100", "h200-sxm": "h200"}
-_FROM_PROFILE_IF = {"devices_per_node": 0, "peak_tflops": 0.0, "memory_gib": 0.0, "reserved_gib": 0.0,
-                    "mem_bw_gbps": 0.0, "intra_bw_gbps": 0.0, "inter_bw_gbps": 0.0, "intra_latency_us": 0.0,
-                    "inter_latency_us": 0.0, "collective_overhead_us": -1.0, "compute_efficiency": 0.0,
-                    "layer_overhead_us": -1.0,
-                    "step_overhead_s": -1.0, "dp_overlap": -1.0, "tp_overlap": -1.0, "core_share_exponent": 0.0}
+ALIASES = {
+    "a100": "a100-80gb",
+    "a100-80g": "a100-80gb",
+    "a100-40g": "a100-40gb",
+    "h100-sxm": "h100",
+    "h100-80gb": "h100",
+    "h200-sxm": "h200",
+}
+_FROM_PROFILE_IF = {
+    "devices_per_node": 0,
+    "peak_tflops": 0.0,
+    "memory_gib": 0.0,
+    "reserved_gib": 0.0,
+    "mem_bw_gbps": 0.0,
+    "intra_bw_gbps": 0.0,
+    "inter_bw_gbps": 0.0,
+    "intra_latency_us": 0.0,
+    "inter_latency_us": 0.0,
+    "collective_overhead_us": -1.0,
+    "compute_efficiency": 0.0,
+    "layer_overhead_us": -1.0,
+    "step_overhead_s": -1.0,
+    "dp_overlap": -1.0,
+    "tp_overlap": -1.0,
+    "core_share_exponent": 0.0,
+}
 
 # The keys of a [cluster] table and of --cluster.KEY (validation is a table of its own).
 FIELDS = {f.name: f for f in dataclasses.fields(Cluster) if not f.metadata.get("table")}
@@ -174,8 +253,11 @@ def read_validation(path: str) -> dict:
 def device_name(raw: str) -> str:
     name = ALIASES.get(raw.lower(), raw.lower())
     if name not in PROFILES:
-        raise ConfigError("cluster.device", f"unknown device {raw!r}",
-                          "valid: " + ", ".join(PROFILES) + ", or --cluster.profile FILE with your own numbers")
+        raise ConfigError(
+            "cluster.device",
+            f"unknown device {raw!r}",
+            "valid: " + ", ".join(PROFILES) + ", or --cluster.profile FILE with your own numbers",
+        )
     return name
 
 
@@ -253,13 +335,22 @@ def check_cluster(c: Cluster) -> None:
     for key in ("dp_overlap", "tp_overlap"):
         if not 0 <= getattr(c, key) <= 1:
             raise ConfigError(f"cluster.{key}", f"{getattr(c, key)} is outside [0, 1]")
-    for key in ("reserved_gib", "intra_latency_us", "inter_latency_us", "collective_overhead_us", "layer_overhead_us",
-                "step_overhead_s"):
+    for key in (
+        "reserved_gib",
+        "intra_latency_us",
+        "inter_latency_us",
+        "collective_overhead_us",
+        "layer_overhead_us",
+        "step_overhead_s",
+    ):
         if getattr(c, key) < 0:
             raise ConfigError(f"cluster.{key}", f"must be >= 0, got {getattr(c, key)}")
     if c.reserved_gib >= c.memory_gib:
-        raise ConfigError("cluster.reserved_gib", f"{c.reserved_gib} GiB leaves nothing of {c.memory_gib} GiB",
-                          "set it below memory_gib")
+        raise ConfigError(
+            "cluster.reserved_gib",
+            f"{c.reserved_gib} GiB leaves nothing of {c.memory_gib} GiB",
+            "set it below memory_gib",
+        )
 
 
 def describe() -> str:

@@ -1,4 +1,5 @@
 """`threefold plan`: search the best layout, evaluate one, or calibrate on measured runs."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,18 @@ USAGE = """threefold plan [--config FILE] --train.global_batch N [--model.KEY V 
   dimension of the search. threefold plan --help-cluster lists the cluster and faults keys."""
 
 # Config keys that, when given, pin one dimension of the search.
-PIN_KEYS = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.dp": "dp", "parallel.vpp": "vpp",
-            "parallel.zero": "zero", "parallel.sp": "sp", "parallel.schedule": "schedule", "parallel.ep": "ep",
-            "train.micro_batch": "mbs", "train.recompute": "recompute"}
+PIN_KEYS = {
+    "parallel.tp": "tp",
+    "parallel.pp": "pp",
+    "parallel.dp": "dp",
+    "parallel.vpp": "vpp",
+    "parallel.zero": "zero",
+    "parallel.sp": "sp",
+    "parallel.schedule": "schedule",
+    "parallel.ep": "ep",
+    "train.micro_batch": "mbs",
+    "train.recompute": "recompute",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,8 +42,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
     ap.add_argument("--emit-config", metavar="FILE", help="write the best (or given) layout as a train config")
     ap.add_argument("--calibrate", nargs="+", metavar="RUN_DIR", help="fit the cluster's parameters to these runs")
-    ap.add_argument("--validate", nargs="+", metavar="RUN_DIR", default=[],
-                    help="with --calibrate: runs to compare against the fit without fitting on them")
+    ap.add_argument(
+        "--validate",
+        nargs="+",
+        metavar="RUN_DIR",
+        default=[],
+        help="with --calibrate: runs to compare against the fit without fitting on them",
+    )
     ap.add_argument("--fit", help="with --calibrate: comma-separated parameters to fit (default: chosen automatically)")
     ap.add_argument("--warmup", type=int, default=None, help="with --calibrate: steps to drop per run (default 1/5)")
     ap.add_argument("--save-profile", metavar="FILE", help="with --calibrate: write the fitted cluster profile")
@@ -94,11 +109,11 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
     from threefold.config import build_config
     from threefold.planner import report
     from threefold.planner.cluster import build_cluster
-    from threefold.planner.cost import predict
     from threefold.planner.emit import layout_config, write_config
     from threefold.planner.faults import advise, build_faults
     from threefold.planner.layout import parse_layout, structural_reason
     from threefold.planner.model import model_shape
+    from threefold.planner.predict import predict
     from threefold.planner.search import Plan, oom_sentence, search
     from threefold.planner.validation import split_note
     from threefold.validate import validate_model
@@ -107,8 +122,11 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
     validate_model(cfg)
     given = {k for k, _ in config_pairs} | _file_keys(args.config)
     if "train.global_batch" not in given:
-        raise ConfigError("train.global_batch", "the planner needs the global batch (sequences per optimizer step)",
-                          "e.g. --train.global_batch 1024")
+        raise ConfigError(
+            "train.global_batch",
+            "the planner needs the global batch (sequences per optimizer step)",
+            "e.g. --train.global_batch 1024",
+        )
     if cfg.train.global_batch < 1:
         raise ConfigError("train.global_batch", f"must be > 0, got {cfg.train.global_batch}")
     # The run config's placement keys describe the cluster too, unless --cluster.* says otherwise.
@@ -127,8 +145,9 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
 
     if args.layout:
         layout = parse_layout(args.layout, cluster.world)
-        why = structural_reason(cfg.model, layout, B, cluster.devices_per_node, cluster.allow_tp_across_nodes,
-                                cluster.world)
+        why = structural_reason(
+            cfg.model, layout, B, cluster.devices_per_node, cluster.allow_tp_across_nodes, cluster.world
+        )
         if why:
             raise ConfigError("--layout", why[1].rstrip("."))
         pred = predict(shape, cluster, layout, B, dtype)
@@ -142,17 +161,32 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
         if not plan.ranked:
             raise ConfigError("plan", _nothing_fits(plan))
         pred, note = plan.best, None
-    advice = advise(faults, pred.devices_used, max(1, -(-pred.devices_used // cluster.devices_per_node)),
-                    shape.total_params, pred.step_time_s, dtype)
+    advice = advise(
+        faults,
+        pred.devices_used,
+        max(1, -(-pred.devices_used // cluster.devices_per_node)),
+        shape.total_params,
+        pred.step_time_s,
+        dtype,
+    )
     emitted = None
     if args.emit_config:
-        run_cfg = layout_config(cfg, pred.layout, cluster.devices_per_node, cluster.allow_tp_across_nodes,
-                                cluster.device, dtype, advice.interval_steps)
-        head = (f"threefold plan: {report.header(shape, cluster, B, dtype)}\n"
-                f"predicted: step {pred.step_time_s:.4g} s, MFU {pred.mfu:.1%}, "
-                f"{pred.memory.total / 2**30:.1f} GiB per device; layout {pred.layout.spec()}\n"
-                f"checkpoint every {advice.interval_steps} steps (Young's interval, {advice.interval_s / 60:.1f} min): "
-                f"checkpoint.dir = DIR, checkpoint.interval = {advice.interval_steps}")
+        run_cfg = layout_config(
+            cfg,
+            pred.layout,
+            cluster.devices_per_node,
+            cluster.allow_tp_across_nodes,
+            cluster.device,
+            dtype,
+            advice.interval_steps,
+        )
+        head = (
+            f"threefold plan: {report.header(shape, cluster, B, dtype)}\n"
+            f"predicted: step {pred.step_time_s:.4g} s, MFU {pred.mfu:.1%}, "
+            f"{pred.memory.total / 2**30:.1f} GiB per device; layout {pred.layout.spec()}\n"
+            f"checkpoint every {advice.interval_steps} steps (Young's interval, {advice.interval_s / 60:.1f} min): "
+            f"checkpoint.dir = DIR, checkpoint.interval = {advice.interval_steps}"
+        )
         emitted = str(write_config(args.emit_config, run_cfg, head))
     if args.json:
         doc = report.plan_json(plan, args.top, advice, emitted)
@@ -185,8 +219,10 @@ def _nothing_fits(plan) -> str:
     where = f"{getattr(plan.shape.cfg, 'preset', '') or 'the model'} on {plan.cluster.label()}"
     if mem and mem.examples:
         spec, sentence = mem.best()[0]
-        return (f"no layout of {where} fits: the smallest, {spec}, {sentence[0].lower()}{sentence[1:].rstrip('.')} "
-                "(add devices, or use devices with more memory)")
+        return (
+            f"no layout of {where} fits: the smallest, {spec}, {sentence[0].lower()}{sentence[1:].rstrip('.')} "
+            "(add devices, or use devices with more memory)"
+        )
     if plan.rejected:
         kind, rej = max(plan.rejected.items(), key=lambda kv: kv[1].count)
         spec, sentence = rej.best()[0]
@@ -213,4 +249,3 @@ def _calibrate(args, base, explicit: set[str]) -> int:
         if args.save_profile:
             print(f"wrote {args.save_profile}: use it with --cluster.profile {args.save_profile}")
     return 0
-

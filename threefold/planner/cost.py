@@ -45,6 +45,7 @@ EP while tp*ep does (order tp-cp-ep-dp-pp: an ep group spans tp*ep neighbouring 
 the inter-node link as soon as there is more than one node. Latency: a ring step per peer
 inside a node; across nodes NCCL's trees pay ~2 log2(N) steps instead of 2(N-1).
 """
+
 from __future__ import annotations
 
 import math
@@ -52,12 +53,21 @@ from dataclasses import dataclass, field
 
 from threefold.planner.cluster import Cluster
 from threefold.planner.layout import Layout
-from threefold.planner.memory import ACT_BYTES, Memory, device_memory
+from threefold.planner.memory import ACT_BYTES
 from threefold.planner.model import ModelShape
 
 CATEGORIES = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "overhead")
-PARAMS = ("compute_efficiency", "intra_bw_gbps", "inter_bw_gbps", "intra_latency_us", "inter_latency_us",
-          "collective_overhead_us", "mem_bw_gbps", "layer_overhead_us", "step_overhead_s")
+PARAMS = (
+    "compute_efficiency",
+    "intra_bw_gbps",
+    "inter_bw_gbps",
+    "intra_latency_us",
+    "inter_latency_us",
+    "collective_overhead_us",
+    "mem_bw_gbps",
+    "layer_overhead_us",
+    "step_overhead_s",
+)
 
 Terms = dict  # parameter name -> coefficient
 
@@ -147,8 +157,9 @@ class StepTerms:
         return merge_terms(*self.categories.values())
 
 
-def step_terms(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: int,
-               dtype: str = "bf16") -> StepTerms:
+def step_terms(
+    shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: int, dtype: str = "bf16"
+) -> StepTerms:
     t, p, v, b, d = layout.tp, layout.pp, layout.vpp, layout.mbs, layout.dp
     s, h = shape.seq_len, shape.hidden
     m = layout.microbatches(global_batch)
@@ -170,8 +181,13 @@ def step_terms(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch
         """One micro-batch on a pipeline rank holding `layers` (all its v chunks)."""
         base = (layers * shape.layer_hw_flops["none"] + (shape.head_flops if has_head else 0.0)) * tokens / t
         extra = layers * (shape.layer_hw_flops[layout.recompute] - shape.layer_hw_flops["none"]) * tokens / t
-        mb = {"compute": {"compute_efficiency": base / peak}, "recompute": {"compute_efficiency": extra / peak},
-              "tp_comm": {}, "ep_comm": {}, "overhead": {}}
+        mb = {
+            "compute": {"compute_efficiency": base / peak},
+            "recompute": {"compute_efficiency": extra / peak},
+            "tp_comm": {},
+            "ep_comm": {},
+            "overhead": {},
+        }
         moe = layers * shape.moe_fraction  # MoE blocks among them (the model's share)
         if t > 1:
             x = tokens * h * act
@@ -195,16 +211,20 @@ def step_terms(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch
             else:
                 n_ar += 2
             nbytes = n_ar * 2 * ring * x + n_ag * ring * x
-            steps = (n_ar * _latency_steps(t, tp_link, 2 * (t - 1))
-                     + (n_ag + n_lat) * _latency_steps(t, tp_link, t - 1))
+            steps = n_ar * _latency_steps(t, tp_link, 2 * (t - 1)) + (n_ag + n_lat) * _latency_steps(t, tp_link, t - 1)
             _collective(mb["tp_comm"], tp_link, exposed * nbytes, exposed * steps, exposed * (n_ar + n_ag + n_lat))
         if layout.ep > 1 and moe:
             a2a = ep_all_to_all(shape, cluster, layout, act)
             # dispatch + combine forward and the same two backward; full recompute repeats the
             # forward's; one exchange of counts per forward
             n = 4 + 2 * full
-            _collective(mb["ep_comm"], ep_link, moe * n * a2a["bytes"],
-                        moe * (n + 1 + full) * a2a["steps"], moe * (n + 1 + full))
+            _collective(
+                mb["ep_comm"],
+                ep_link,
+                moe * n * a2a["bytes"],
+                moe * (n + 1 + full) * a2a["steps"],
+                moe * (n + 1 + full),
+            )
         # Host work per layer pass; processes sharing cores (cpu) pay it at their share too.
         _add(mb["overhead"], "layer_overhead_us", layers * (4 / 3 if full else 1.0) / share)
         return mb
@@ -240,11 +260,14 @@ def step_terms(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch
     # Data parallel: the rank holding the most parameters. Dense gradients over dp, experts'
     # over expert_dp (tp * dp / ep ranks), which spans the same consecutive ranks as dp.
     if p == 1:
-        held = [shape.state_numel(shape.layers, shape.embed_params + (0 if shape.tied else shape.head_params),
-                                  t, layout.ep)]
+        held = [
+            shape.state_numel(shape.layers, shape.embed_params + (0 if shape.tied else shape.head_params), t, layout.ep)
+        ]
     else:
-        held = [shape.state_numel(split.first_layers, shape.embed_params, t, layout.ep),
-                shape.state_numel(split.last_layers, shape.head_params, t, layout.ep)]
+        held = [
+            shape.state_numel(split.first_layers, shape.embed_params, t, layout.ep),
+            shape.state_numel(split.last_layers, shape.head_params, t, layout.ep),
+        ]
     dense, expert = max(held, key=sum)
     edp = t * d // layout.ep
     cats["dp_comm"] = {}
@@ -269,8 +292,9 @@ def step_terms(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch
 WORK = ("compute", "recompute", "overhead")
 
 
-def _oversubscribed_pipeline(cats: dict[str, Terms], mb: dict[str, Terms], whole: dict[str, Terms], m: int, p: int,
-                             ratio: float, share: float) -> None:
+def _oversubscribed_pipeline(
+    cats: dict[str, Terms], mb: dict[str, Terms], whole: dict[str, Terms], m: int, p: int, ratio: float, share: float
+) -> None:
     """Pipeline ranks that share too few cores (cpu: more processes than cores): a rank waiting
     in the bubble leaves its core to the others, so the step is bounded below both by the
     critical path at a full core each, m (1 + ratio) times the slowest rank's work, and by all
@@ -294,8 +318,7 @@ def _oversubscribed_pipeline(cats: dict[str, Terms], mb: dict[str, Terms], whole
     cats["bubble"] = {k: c for k, c in bubble.items() if c > 0}
 
 
-def _gradient_sync(numel: float, n: int, zero: int, m: int, link: str, kp: int,
-                   kg: int) -> tuple[float, float, float]:
+def _gradient_sync(numel: float, n: int, zero: int, m: int, link: str, kp: int, kg: int) -> tuple[float, float, float]:
     """(bytes, latency steps, collective calls) one rank pays to synchronise `numel` parameters
     over `n` replicas (the buckets' calls counted as one: they overlap each other)."""
     ring = (n - 1) / n
@@ -324,61 +347,9 @@ def ep_all_to_all(shape: ModelShape, cluster: Cluster, layout: Layout, act: int)
     volume = layout.mbs * shape.seq_len / t * shape.top_k * shape.hidden * act
     link = ep_group_link(cluster, t, ep)
     local = ep if link == "intra" else max(1, min(ep, cluster.devices_per_node // t))
-    return {"volume": volume, "bytes": volume * (ep - local if link == "inter" else ep - 1) / ep,
-            "steps": _latency_steps(ep, link, ep - 1), "link": link}
-
-
-@dataclass
-class Prediction:
-    """Everything the planner says about one layout."""
-
-    layout: Layout
-    microbatches: int
-    memory: Memory
-    usable_bytes: float
-    times: dict[str, float]
-    step_time_s: float
-    tokens_per_s: float
-    model_tflops_per_device: float
-    mfu: float
-    hfu: float
-    bubble_fraction: float
-    slowest_rank: str
-    links: dict[str, str]
-    devices_used: int
-
-    @property
-    def fits(self) -> bool:
-        return self.memory.total <= self.usable_bytes
-
-    def as_dict(self) -> dict:
-        out = self.layout.as_dict()
-        out.update(microbatches=self.microbatches, memory_bytes_per_device=self.memory.total,
-                   memory=self.memory.as_dict(), usable_bytes_per_device=self.usable_bytes, fits=self.fits,
-                   step_time_s=self.step_time_s, tokens_per_s=self.tokens_per_s,
-                   model_tflops_per_device=self.model_tflops_per_device, mfu=self.mfu, hfu=self.hfu,
-                   bubble_fraction=self.bubble_fraction, time_split_s=dict(self.times),
-                   time_split_fraction={k: v / self.step_time_s for k, v in self.times.items()},
-                   slowest_pipeline_rank=self.slowest_rank, links=dict(self.links),
-                   devices_used=self.devices_used)
-        return out
-
-
-def predict(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: int, dtype: str = "bf16",
-            memory: Memory | None = None) -> Prediction:
-    """Memory and step time of `layout` (assumed structurally valid: see layout.structural_reason)."""
-    memory = memory or device_memory(shape, layout, global_batch, dtype)
-    terms = step_terms(shape, cluster, layout, global_batch, dtype)
-    times = terms.times(cluster)
-    step = sum(times.values())
-    tokens = global_batch * shape.seq_len
-    world = layout.world
-    model_flops = shape.model_flops_per_token * tokens
-    peak = cluster.peak_tflops * 1e12
-    return Prediction(
-        layout=layout, microbatches=layout.microbatches(global_batch), memory=memory,
-        usable_bytes=cluster.usable_bytes, times=times, step_time_s=step, tokens_per_s=tokens / step,
-        model_tflops_per_device=model_flops / step / world / 1e12, mfu=model_flops / (step * world * peak),
-        hfu=shape.hardware_flops_per_step(global_batch, layout.recompute) / (step * world * peak),
-        bubble_fraction=times["bubble"] / step,
-        slowest_rank=terms.slowest_rank, links=terms.links, devices_used=world)
+    return {
+        "volume": volume,
+        "bytes": volume * (ep - local if link == "inter" else ep - 1) / ep,
+        "steps": _latency_steps(ep, link, ep - 1),
+        "link": link,
+    }

@@ -6,6 +6,7 @@ only where they differ from the defaults (so a --config given to plan carries th
 recommended checkpoint interval is written when the config has a checkpoint.dir, else noted
 in the header.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,10 +17,19 @@ from threefold.config import Config
 from threefold.planner.layout import Layout
 
 _ALWAYS = {
-    "model": ("preset", "arch", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len",
-              "tie_embeddings"),
-    "parallel": ("dp", "tp", "pp", "sp", "zero", "ep", "vpp", "schedule", "devices_per_node",
-                 "allow_tp_across_nodes"),
+    "model": (
+        "preset",
+        "arch",
+        "hidden",
+        "layers",
+        "heads",
+        "kv_heads",
+        "ffn_hidden",
+        "vocab",
+        "seq_len",
+        "tie_embeddings",
+    ),
+    "parallel": ("dp", "tp", "pp", "sp", "zero", "ep", "vpp", "schedule", "devices_per_node", "allow_tp_across_nodes"),
     "train": ("global_batch", "micro_batch", "recompute", "dtype", "device"),
 }
 # The mixture-of-experts shape, written whenever the model has experts.
@@ -34,8 +44,15 @@ def toml_value(value) -> str:
     return json.dumps(str(value))  # a TOML basic string: JSON's escapes are valid TOML
 
 
-def layout_config(cfg: Config, layout: Layout, devices_per_node: int, allow_tp_across_nodes: bool,
-                  device: str, dtype: str, checkpoint_interval: int = 0) -> Config:
+def layout_config(
+    cfg: Config,
+    layout: Layout,
+    devices_per_node: int,
+    allow_tp_across_nodes: bool,
+    device: str,
+    dtype: str,
+    checkpoint_interval: int = 0,
+) -> Config:
     """A copy of `cfg` running `layout`."""
     out = Config.from_dict(cfg.to_dict())
     p, t = out.parallel, out.train

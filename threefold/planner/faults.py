@@ -12,6 +12,7 @@ We recommend Young's interval, the one the formula most tools quote, and report 
 goodput at it; Daly's own optimum is shown next to it (they differ by well under 1% of goodput
 while C << M).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,10 +26,14 @@ from threefold.errors import ConfigError
 class Faults:
     """Failure and recovery costs."""
 
-    device_mtbf_h: float = knob(50000.0, "Mean hours between failures of one device with its share of host and "
-                                         "network (Llama 3: 419 stops in 54 days on 16,384 GPUs ~ 50,000 h)")
-    checkpoint_s: float = knob(0.0, "Seconds one checkpoint save stalls training (0 = estimate from the state size "
-                                    "and storage_bw_gbps)")
+    device_mtbf_h: float = knob(
+        50000.0,
+        "Mean hours between failures of one device with its share of host and "
+        "network (Llama 3: 419 stops in 54 days on 16,384 GPUs ~ 50,000 h)",
+    )
+    checkpoint_s: float = knob(
+        0.0, "Seconds one checkpoint save stalls training (0 = estimate from the state size and storage_bw_gbps)"
+    )
     restart_s: float = knob(600.0, "Seconds from a failure to training again: detect, reschedule, reload")
     storage_bw_gbps: float = knob(2.0, "Checkpoint write bandwidth per node in GB/s, for the save-time estimate")
 
@@ -95,14 +100,17 @@ class FaultAdvice:
         return dict(self.__dict__)
 
     def sentence(self) -> str:
-        return (f"{self.devices} devices fail every {self.system_mtbf_s / 3600:.2f} h on average; a checkpoint takes "
-                f"{self.checkpoint_s:.1f} s and a restart {self.restart_s:.0f} s: checkpoint every "
-                f"{self.interval_s / 60:.1f} min (~{self.interval_steps} steps, Young); expected goodput "
-                f"{self.goodput:.1%} (Daly's optimum {self.daly_interval_s / 60:.1f} min: {self.daly_goodput:.1%}).")
+        return (
+            f"{self.devices} devices fail every {self.system_mtbf_s / 3600:.2f} h on average; a checkpoint takes "
+            f"{self.checkpoint_s:.1f} s and a restart {self.restart_s:.0f} s: checkpoint every "
+            f"{self.interval_s / 60:.1f} min (~{self.interval_steps} steps, Young); expected goodput "
+            f"{self.goodput:.1%} (Daly's optimum {self.daly_interval_s / 60:.1f} min: {self.daly_goodput:.1%})."
+        )
 
 
-def advise(faults: Faults, devices: int, nodes: int, total_params: float, step_time_s: float,
-           dtype: str = "bf16") -> FaultAdvice:
+def advise(
+    faults: Faults, devices: int, nodes: int, total_params: float, step_time_s: float, dtype: str = "bf16"
+) -> FaultAdvice:
     """Checkpoint interval and goodput for a job of `devices` devices on `nodes` nodes."""
     mtbf = faults.device_mtbf_h * 3600 / devices
     # A checkpoint holds parameters and optimizer state (master weights + moments), not gradients.
@@ -111,8 +119,15 @@ def advise(faults: Faults, devices: int, nodes: int, total_params: float, step_t
     save = faults.checkpoint_s or nbytes / (faults.storage_bw_gbps * 1e9 * nodes)
     tau = young_interval(save, mtbf)
     daly = daly_interval(save, mtbf)
-    return FaultAdvice(devices=devices, system_mtbf_s=mtbf, checkpoint_s=save, checkpoint_bytes=nbytes,
-                       restart_s=faults.restart_s, interval_s=tau,
-                       interval_steps=max(1, round(tau / step_time_s)) if step_time_s > 0 else 1,
-                       daly_interval_s=daly, goodput=goodput(tau, save, faults.restart_s, mtbf),
-                       daly_goodput=goodput(daly, save, faults.restart_s, mtbf))
+    return FaultAdvice(
+        devices=devices,
+        system_mtbf_s=mtbf,
+        checkpoint_s=save,
+        checkpoint_bytes=nbytes,
+        restart_s=faults.restart_s,
+        interval_s=tau,
+        interval_steps=max(1, round(tau / step_time_s)) if step_time_s > 0 else 1,
+        daly_interval_s=daly,
+        goodput=goodput(tau, save, faults.restart_s, mtbf),
+        daly_goodput=goodput(daly, save, faults.restart_s, mtbf),
+    )

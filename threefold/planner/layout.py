@@ -1,6 +1,7 @@
 """A candidate layout, its text form (`tp=8,pp=16,dp=15,vpp=3,mbs=1,zero=1,sp=true,recompute=selective`),
 and the structural rules that rule one out, each as a sentence a user understands.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -81,8 +82,9 @@ def parse_layout(text: str, world: int) -> Layout:
     if "dp" not in values:
         inner = values.get("tp", 1) * values.get("pp", 1)
         if world % inner:
-            raise ConfigError("--layout", f"tp*pp = {inner} does not divide the cluster's {world} devices",
-                              "give dp= explicitly")
+            raise ConfigError(
+                "--layout", f"tp*pp = {inner} does not divide the cluster's {world} devices", "give dp= explicitly"
+            )
         values["dp"] = world // inner
     if values["dp"] < 1:
         raise ConfigError("--layout", f"dp must be >= 1, got {values['dp']}")
@@ -101,28 +103,37 @@ def parse_layout(text: str, world: int) -> Layout:
 # Each returns None when the layout passes, else (kind, sentence). Kinds group the rejections
 # in the report; sentences name the numbers so a user can see what to change.
 
+
 def tp_reason(model, tp: int, devices_per_node: int, allow_across: bool) -> tuple[str, str] | None:
     if tp == 1:
         return None
     if model.heads % tp:
         return "tp-shape", f"tp={tp} cannot split the model's {model.heads} attention heads evenly."
     if model.kv_heads % tp and tp % model.kv_heads:
-        return "tp-shape", (f"tp={tp} and the model's {model.kv_heads} key/value heads do not divide one another, "
-                            "so they cannot be split or shared evenly.")
+        return "tp-shape", (
+            f"tp={tp} and the model's {model.kv_heads} key/value heads do not divide one another, "
+            "so they cannot be split or shared evenly."
+        )
     if model.ffn_hidden % tp:
         return "tp-shape", f"tp={tp} cannot split the MLP width {model.ffn_hidden} evenly."
     if model.vocab % tp:
         return "tp-shape", f"tp={tp} cannot split the vocabulary of {model.vocab} evenly (pad model.vocab)."
     if getattr(model, "num_experts", 0) and model.seq_len % tp:
-        return "tp-shape", (f"tp={tp} cannot split the sequence of {model.seq_len} tokens evenly, which the MoE "
-                            "layers need: their tensor-parallel ranks route a slice of the tokens each.")
+        return "tp-shape", (
+            f"tp={tp} cannot split the sequence of {model.seq_len} tokens evenly, which the MoE "
+            "layers need: their tensor-parallel ranks route a slice of the tokens each."
+        )
     if tp > devices_per_node and not allow_across:
-        return "tp-across-nodes", (f"tp={tp} would stretch a tensor-parallel group across nodes of {devices_per_node} "
-                                   "devices, over the slow inter-node link (--cluster.allow_tp_across_nodes true "
-                                   "allows it).")
+        return "tp-across-nodes", (
+            f"tp={tp} would stretch a tensor-parallel group across nodes of {devices_per_node} "
+            "devices, over the slow inter-node link (--cluster.allow_tp_across_nodes true "
+            "allows it)."
+        )
     if devices_per_node % tp and tp < devices_per_node and not allow_across:
-        return "tp-across-nodes", (f"tp={tp} does not divide the {devices_per_node} devices of a node, so some "
-                                   "tensor-parallel groups would straddle two nodes.")
+        return "tp-across-nodes", (
+            f"tp={tp} does not divide the {devices_per_node} devices of a node, so some "
+            "tensor-parallel groups would straddle two nodes."
+        )
     return None
 
 
@@ -135,11 +146,14 @@ def pp_reason(model, pp: int, vpp: int) -> tuple[str, str] | None:
 
 def batch_reason(global_batch: int, dp: int, mbs: int | None = None) -> tuple[str, str] | None:
     if global_batch % dp:
-        return "batch", (f"the global batch of {global_batch} sequences does not split evenly over dp={dp} "
-                         "data-parallel ranks.")
+        return "batch", (
+            f"the global batch of {global_batch} sequences does not split evenly over dp={dp} data-parallel ranks."
+        )
     if mbs is not None and (global_batch // dp) % mbs:
-        return "batch", (f"each data-parallel rank gets {global_batch // dp} sequences, not a multiple of the "
-                         f"micro-batch size {mbs}.")
+        return "batch", (
+            f"each data-parallel rank gets {global_batch // dp} sequences, not a multiple of the "
+            f"micro-batch size {mbs}."
+        )
     return None
 
 
@@ -152,13 +166,16 @@ def schedule_reason(schedule: str, p: int, m: int, v: int) -> tuple[str, str] | 
         if v < 2:
             return "schedule", "the interleaved schedule needs vpp >= 2 model chunks per pipeline rank."
         if m % p:
-            return "microbatches", (f"the interleaved schedule needs the micro-batch count ({m}) to be a multiple "
-                                    f"of pp={p}.")
+            return "microbatches", (
+                f"the interleaved schedule needs the micro-batch count ({m}) to be a multiple of pp={p}."
+            )
     elif v != 1:
         return "schedule", f"vpp={v} needs the interleaved schedule; {schedule} runs one chunk per rank."
     if m < p:
-        return "microbatches", (f"{m} micro-batch{'es' if m != 1 else ''} cannot fill {p} pipeline stages: most "
-                                f"stages would sit idle (use at least {p}, i.e. a smaller micro-batch or dp).")
+        return "microbatches", (
+            f"{m} micro-batch{'es' if m != 1 else ''} cannot fill {p} pipeline stages: most "
+            f"stages would sit idle (use at least {p}, i.e. a smaller micro-batch or dp)."
+        )
     return None
 
 
@@ -182,23 +199,29 @@ def ep_reason(model, ep: int, dp: int) -> tuple[str, str] | None:
     if not experts:
         return "ep", f"ep={ep}: the model has no experts to place, so expert parallelism must be 1."
     if experts % ep:
-        return "ep", (f"ep={ep} cannot split the model's {experts} experts evenly: each expert-parallel rank "
-                      "holds an equal share.")
+        return "ep", (
+            f"ep={ep} cannot split the model's {experts} experts evenly: each expert-parallel rank "
+            "holds an equal share."
+        )
     if dp % ep:
-        return "ep", (f"ep={ep} does not divide dp={dp}: expert-parallel ranks are carved out of the "
-                      "data-parallel ones.")
+        return "ep", (
+            f"ep={ep} does not divide dp={dp}: expert-parallel ranks are carved out of the data-parallel ones."
+        )
     return None
 
 
-def structural_reason(model_cfg, layout: Layout, global_batch: int, devices_per_node: int,
-                      allow_across: bool, world: int) -> tuple[str, str] | None:
+def structural_reason(
+    model_cfg, layout: Layout, global_batch: int, devices_per_node: int, allow_across: bool, world: int
+) -> tuple[str, str] | None:
     """Every rule for one given layout (the search applies them level by level instead)."""
     if layout.world > world:
         return "devices", f"the layout needs {layout.world} devices but the cluster has {world}."
-    for reason in (tp_reason(model_cfg, layout.tp, devices_per_node, allow_across),
-                   pp_reason(model_cfg, layout.pp, layout.vpp),
-                   batch_reason(global_batch, layout.dp, layout.mbs),
-                   feature_reason(model_cfg, layout)):
+    for reason in (
+        tp_reason(model_cfg, layout.tp, devices_per_node, allow_across),
+        pp_reason(model_cfg, layout.pp, layout.vpp),
+        batch_reason(global_batch, layout.dp, layout.mbs),
+        feature_reason(model_cfg, layout),
+    ):
         if reason:
             return reason
     return schedule_reason(layout.schedule, layout.pp, layout.microbatches(global_batch), layout.vpp)

@@ -26,10 +26,11 @@ Added on top: the last rank's head (norm and head inputs 4sbh, fp32 logits for t
 4sbV/t, per micro-batch in flight there); full recompute's one layer being recomputed at full
 size; ZeRO-3's gathered layer and its prefetch. The report is the worse of rank 0 and the last.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 from threefold.planner.layout import Layout
 from threefold.planner.model import ModelShape
@@ -38,7 +39,7 @@ ACT_BYTES = {"bf16": 2, "fp32": 4}
 STATE = ("params", "grads", "optimizer")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _bytes_per_param(dp: int, zero: int, dtype: str) -> tuple[float, float, float]:
     import torch
 
@@ -53,15 +54,16 @@ def model_state_bytes(numel: float, dp: int, zero: int, dtype: str = "bf16") -> 
     return dict(zip(STATE, (k * numel for k in _bytes_per_param(dp, zero, dtype))))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _korthikanti(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute: str) -> float:
     from threefold.observe.activations import korthikanti_layer_bytes
 
     return korthikanti_layer_bytes(s, b, h, a, t, sp, recompute)
 
 
-def layer_activation_bytes(s: int, b: int, h: int, heads: int, t: int = 1, sp: bool = False,
-                           recompute: str = "none", dtype: str = "bf16") -> float:
+def layer_activation_bytes(
+    s: int, b: int, h: int, heads: int, t: int = 1, sp: bool = False, recompute: str = "none", dtype: str = "bf16"
+) -> float:
     """Bytes one layer keeps for backward per micro-batch (Korthikanti Table 2, scaled to dtype)."""
     return _korthikanti(s, b, h, heads, t, sp, recompute) * ACT_BYTES[dtype] / 2
 
@@ -76,9 +78,20 @@ def _mlp_share_bytes(s: int, b: int, h: int, t: int, sp: bool, recompute: str) -
     return (3 + 16 / t) * sbh if t > 1 else 19 * sbh
 
 
-def moe_layer_activation_bytes(s: int, b: int, h: int, heads: int, ffn: int, top_k: int, gated: bool,
-                               shared: bool, t: int = 1, sp: bool = False, recompute: str = "none",
-                               dtype: str = "bf16") -> float:
+def moe_layer_activation_bytes(
+    s: int,
+    b: int,
+    h: int,
+    heads: int,
+    ffn: int,
+    top_k: int,
+    gated: bool,
+    shared: bool,
+    t: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+    dtype: str = "bf16",
+) -> float:
     """Bytes an MoE block keeps for backward per micro-batch (module docstring), balanced routing."""
     dense = _korthikanti(s, b, h, heads, t, sp, recompute)
     if recompute == "full":
@@ -88,16 +101,29 @@ def moe_layer_activation_bytes(s: int, b: int, h: int, heads: int, ffn: int, top
     return (dense - mlp + routed + (mlp if shared else 0.0)) * ACT_BYTES[dtype] / 2
 
 
-def mean_layer_activation_bytes(shape: ModelShape, b: int, t: int, sp: bool, recompute: str,
-                                dtype: str = "bf16") -> float:
+def mean_layer_activation_bytes(
+    shape: ModelShape, b: int, t: int, sp: bool, recompute: str, dtype: str = "bf16"
+) -> float:
     """Per layer and micro-batch, the mean over dense and MoE blocks."""
     s, h, a = shape.seq_len, shape.hidden, shape.heads
     dense = layer_activation_bytes(s, b, h, a, t, sp, recompute, dtype)
     if not shape.is_moe:
         return dense
     cfg = shape.cfg
-    moe = moe_layer_activation_bytes(s, b, h, a, cfg.ffn_hidden, shape.top_k, cfg.arch == "llama",
-                                     bool(getattr(cfg, "shared_expert", False)), t, sp, recompute, dtype)
+    moe = moe_layer_activation_bytes(
+        s,
+        b,
+        h,
+        a,
+        cfg.ffn_hidden,
+        shape.top_k,
+        cfg.arch == "llama",
+        bool(getattr(cfg, "shared_expert", False)),
+        t,
+        sp,
+        recompute,
+        dtype,
+    )
     return (1 - shape.moe_fraction) * dense + shape.moe_fraction * moe
 
 
@@ -133,10 +159,17 @@ class Memory:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers
 
     def as_dict(self) -> dict:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "buffers": self.buffers, "total": self.total,
-                "inflight_microbatches": self.inflight, "worst_pipeline_rank": self.rank,
-                "expert_state": self.expert_state}
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "buffers": self.buffers,
+            "total": self.total,
+            "inflight_microbatches": self.inflight,
+            "worst_pipeline_rank": self.rank,
+            "expert_state": self.expert_state,
+        }
 
 
 def expert_dp(layout: Layout) -> int:
@@ -167,8 +200,10 @@ def device_memory(shape: ModelShape, layout: Layout, global_batch: int, dtype: s
         outside = shape.embed_params + (0 if shape.tied else shape.head_params)
         ranks = [("first", shape.layers, outside, first_inflight, head_acts)]
     else:
-        ranks = [("first", split.first_layers, shape.embed_params, first_inflight, 0.0),
-                 ("last", split.last_layers, shape.head_params, last_inflight, head_acts * head_inflight)]
+        ranks = [
+            ("first", split.first_layers, shape.embed_params, first_inflight, 0.0),
+            ("last", split.last_layers, shape.head_params, last_inflight, head_acts * head_inflight),
+        ]
     worst = None
     for name, layers, outside, held, extra in ranks:
         dense, expert = shape.state_numel(layers, outside, t, layout.ep)

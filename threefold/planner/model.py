@@ -10,6 +10,7 @@ router, shared expert), tensor-parallel and replicated over dp, and the routed e
 are not tensor-sharded (the TP ranks split tokens instead) but spread over the ep ranks and
 replicated over expert_dp (docs/moe.md). FLOPs already count active parameters only.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -143,11 +144,23 @@ def model_shape(cfg: ModelConfig, causal: bool = True) -> ModelShape:
     layer_fwd = (train_flops_per_token(cfg, s, True) - train_flops_per_token(empty, s, True)) / 3 / n_layers
     n_moe = moe_layers(cfg)
     experts = (total - total_params(cfg, experts=0)) / n_layers if n_moe else 0.0
-    return ModelShape(cfg=cfg, seq_len=s, layer_params=layer_params, embed_params=embed, head_params=head,
-                      total_params=total, tied=tied, layer_fwd_flops=layer_fwd, layer_hw_flops=layer_hw,
-                      head_flops=head_flops, model_flops_per_token=train_flops_per_token(cfg, s, causal),
-                      expert_layer_params=experts, moe_fraction=n_moe / n_layers,
-                      num_experts=cfg.num_experts if n_moe else 0, top_k=cfg.top_k if n_moe else 0)
+    return ModelShape(
+        cfg=cfg,
+        seq_len=s,
+        layer_params=layer_params,
+        embed_params=embed,
+        head_params=head,
+        total_params=total,
+        tied=tied,
+        layer_fwd_flops=layer_fwd,
+        layer_hw_flops=layer_hw,
+        head_flops=head_flops,
+        model_flops_per_token=train_flops_per_token(cfg, s, causal),
+        expert_layer_params=experts,
+        moe_fraction=n_moe / n_layers,
+        num_experts=cfg.num_experts if n_moe else 0,
+        top_k=cfg.top_k if n_moe else 0,
+    )
 
 
 def _replace(cfg: ModelConfig, **changes):

@@ -1,18 +1,27 @@
 """What `threefold plan` prints: the ranked table, the rejections, the calibration table, and JSON."""
+
 from __future__ import annotations
 
 from threefold.config import ModelConfig
 from threefold.observe.flops import active_params
-from threefold.planner.cluster import GiB, Cluster
-from threefold.planner.cost import Prediction
+from threefold.planner.cluster import Cluster, GiB
 from threefold.planner.faults import FaultAdvice
 from threefold.planner.model import ModelShape
+from threefold.planner.predict import Prediction
 from threefold.planner.search import KIND_TITLES, Plan
 from threefold.planner.validation import TOLERANCE, annotation, split_note
 
-_SHORT = {"compute": "compute", "recompute": "recompute", "tp_comm": "TP comm", "ep_comm": "EP all-to-all",
-          "pp_comm": "PP comm",
-          "dp_comm": "DP comm", "bubble": "bubble", "optimizer": "optimizer", "overhead": "overhead"}
+_SHORT = {
+    "compute": "compute",
+    "recompute": "recompute",
+    "tp_comm": "TP comm",
+    "ep_comm": "EP all-to-all",
+    "pp_comm": "PP comm",
+    "dp_comm": "DP comm",
+    "bubble": "bubble",
+    "optimizer": "optimizer",
+    "overhead": "overhead",
+}
 
 
 def _num(x: float) -> str:
@@ -52,37 +61,83 @@ def header(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str) -
     experts = ""
     if shape.is_moe:
         every = getattr(cfg, "moe_every", 1)
-        experts = (f" ({_num(active_params(cfg))} active: {shape.num_experts} experts, top-{shape.top_k}, "
-                   + ("every block" if every == 1 else f"every {every} blocks") + ")")
-    return (f"model {name}: {_num(shape.total_params)} parameters{experts}, {cfg.layers} layers, hidden {cfg.hidden}, "
-            f"{cfg.heads} heads, seq {shape.seq_len}; cluster {cluster.label()} "
-            f"({cluster.peak_tflops:.4g} TFLOP/s {dtype}, {cluster.usable_bytes / GiB:.1f} GiB usable per device); "
-            f"global batch {global_batch} ({_num(global_batch * shape.seq_len)} tokens)")
+        experts = (
+            f" ({_num(active_params(cfg))} active: {shape.num_experts} experts, top-{shape.top_k}, "
+            + ("every block" if every == 1 else f"every {every} blocks")
+            + ")"
+        )
+    return (
+        f"model {name}: {_num(shape.total_params)} parameters{experts}, {cfg.layers} layers, hidden {cfg.hidden}, "
+        f"{cfg.heads} heads, seq {shape.seq_len}; cluster {cluster.label()} "
+        f"({cluster.peak_tflops:.4g} TFLOP/s {dtype}, {cluster.usable_bytes / GiB:.1f} GiB usable per device); "
+        f"global batch {global_batch} ({_num(global_batch * shape.seq_len)} tokens)"
+    )
 
 
 def split_text(pred: Prediction, bands: dict | None = None) -> str:
     """Shares of the step per category; with a calibrated profile's `bands`, each share whose
     category calibration found off by more than 25% carries that error band."""
     parts = sorted(((v, k) for k, v in pred.times.items() if v > 0), reverse=True)
-    return ", ".join(f"{_SHORT[k]} {v / pred.step_time_s:.0%}{annotation(k, bands or {})}"
-                     for v, k in parts if v / pred.step_time_s >= 0.005)
+    return ", ".join(
+        f"{_SHORT[k]} {v / pred.step_time_s:.0%}{annotation(k, bands or {})}"
+        for v, k in parts
+        if v / pred.step_time_s >= 0.005
+    )
 
 
 def table(preds: list[Prediction], moe: bool = False) -> str:
     """One row per layout; `moe` adds the ep degree and the all-to-all's share."""
-    cols = ["#", "tp", "pp", "dp", "vpp", "mbs", "sched", "zero", "sp", "recomp", "mem GiB", "step s", "tokens/s",
-            "TFLOP/s", "MFU", "comp%", "tp%", "pp%", "dp%", "bub%", "other%"]
+    cols = [
+        "#",
+        "tp",
+        "pp",
+        "dp",
+        "vpp",
+        "mbs",
+        "sched",
+        "zero",
+        "sp",
+        "recomp",
+        "mem GiB",
+        "step s",
+        "tokens/s",
+        "TFLOP/s",
+        "MFU",
+        "comp%",
+        "tp%",
+        "pp%",
+        "dp%",
+        "bub%",
+        "other%",
+    ]
     if moe:
         cols[4:4], cols[18:18] = ["ep"], ["ep%"]
     rows = []
     for i, p in enumerate(preds, 1):
         lay, f = p.layout, {k: v / p.step_time_s * 100 for k, v in p.times.items()}
-        row = [str(i), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.vpp), str(lay.mbs), lay.schedule,
-               str(lay.zero), "y" if lay.sp else "n", lay.recompute, f"{p.memory.total / GiB:.1f}",
-               f"{p.step_time_s:.4g}", _num(p.tokens_per_s), f"{p.model_tflops_per_device:.4g}",
-               f"{p.mfu:.1%}", f"{f['compute'] + f['recompute']:.0f}", f"{f['tp_comm']:.0f}",
-               f"{f['pp_comm']:.0f}", f"{f['dp_comm']:.0f}", f"{f['bubble']:.0f}",
-               f"{f['optimizer'] + f['overhead']:.0f}"]
+        row = [
+            str(i),
+            str(lay.tp),
+            str(lay.pp),
+            str(lay.dp),
+            str(lay.vpp),
+            str(lay.mbs),
+            lay.schedule,
+            str(lay.zero),
+            "y" if lay.sp else "n",
+            lay.recompute,
+            f"{p.memory.total / GiB:.1f}",
+            f"{p.step_time_s:.4g}",
+            _num(p.tokens_per_s),
+            f"{p.model_tflops_per_device:.4g}",
+            f"{p.mfu:.1%}",
+            f"{f['compute'] + f['recompute']:.0f}",
+            f"{f['tp_comm']:.0f}",
+            f"{f['pp_comm']:.0f}",
+            f"{f['dp_comm']:.0f}",
+            f"{f['bubble']:.0f}",
+            f"{f['optimizer'] + f['overhead']:.0f}",
+        ]
         if moe:
             row[4:4], row[18:18] = [str(lay.ep)], [f"{f['ep_comm']:.0f}"]
         rows.append(tuple(row))
@@ -92,18 +147,19 @@ def table(preds: list[Prediction], moe: bool = False) -> str:
 
 def describe_prediction(p: Prediction, cluster: Cluster) -> str:
     m = p.memory
-    lines = [f"layout {p.layout.spec()}",
-             f"  {_plural(p.microbatches, 'micro-batch')} per step per data-parallel rank; links: TP {p.links['tp']}, "
-             f"PP {p.links['pp']}, DP {p.links['dp']}" + (f", EP {p.links['ep']}" if p.layout.ep > 1 else "")
-             + "-node",
-             f"  memory per device {m.total / GiB:.2f} GiB of {p.usable_bytes / GiB:.1f} usable on the {m.rank} "
-             f"pipeline rank: params {m.params / GiB:.2f} + grads {m.grads / GiB:.2f} + optimizer "
-             f"{m.optimizer / GiB:.2f} + activations {m.activations / GiB:.2f} ({_plural(m.inflight, 'micro-batch')} "
-             f"in flight) + buffers {m.buffers / GiB:.2f}"
-             + (f"; the experts' share of the model state {m.expert_state / GiB:.2f}" if m.expert_state else ""),
-             f"  step {p.step_time_s:.4g} s, {_num(p.tokens_per_s)} tokens/s, {p.model_tflops_per_device:.4g} model "
-             f"TFLOP/s per device, MFU {p.mfu:.1%} (HFU {p.hfu:.1%}), bubble {p.bubble_fraction:.1%} of the step",
-             f"  time: {split_text(p, cluster.validation)}"]
+    lines = [
+        f"layout {p.layout.spec()}",
+        f"  {_plural(p.microbatches, 'micro-batch')} per step per data-parallel rank; links: TP {p.links['tp']}, "
+        f"PP {p.links['pp']}, DP {p.links['dp']}" + (f", EP {p.links['ep']}" if p.layout.ep > 1 else "") + "-node",
+        f"  memory per device {m.total / GiB:.2f} GiB of {p.usable_bytes / GiB:.1f} usable on the {m.rank} "
+        f"pipeline rank: params {m.params / GiB:.2f} + grads {m.grads / GiB:.2f} + optimizer "
+        f"{m.optimizer / GiB:.2f} + activations {m.activations / GiB:.2f} ({_plural(m.inflight, 'micro-batch')} "
+        f"in flight) + buffers {m.buffers / GiB:.2f}"
+        + (f"; the experts' share of the model state {m.expert_state / GiB:.2f}" if m.expert_state else ""),
+        f"  step {p.step_time_s:.4g} s, {_num(p.tokens_per_s)} tokens/s, {p.model_tflops_per_device:.4g} model "
+        f"TFLOP/s per device, MFU {p.mfu:.1%} (HFU {p.hfu:.1%}), bubble {p.bubble_fraction:.1%} of the step",
+        f"  time: {split_text(p, cluster.validation)}",
+    ]
     if p.devices_used < cluster.world:
         lines.append(f"  uses {p.devices_used} of the cluster's {cluster.world} devices")
     return "\n".join(lines)
@@ -123,10 +179,15 @@ def rejections(plan: Plan, examples: int = 2) -> str:
 def plan_text(plan: Plan, top: int, advice: FaultAdvice | None) -> str:
     shown = plan.ranked[:top]
     used = {k for p in shown for k, v in p.times.items() if v > 0}
-    out = [header(plan.shape, plan.cluster, plan.global_batch, plan.dtype),
-           f"searched {plan.considered} layouts in {plan.search_s:.2f} s; the {len(shown)} fastest that fit:", "",
-           table(shown, plan.shape.is_moe), split_note(plan.cluster.validation, used), "",
-           "best " + describe_prediction(plan.best, plan.cluster)]
+    out = [
+        header(plan.shape, plan.cluster, plan.global_batch, plan.dtype),
+        f"searched {plan.considered} layouts in {plan.search_s:.2f} s; the {len(shown)} fastest that fit:",
+        "",
+        table(shown, plan.shape.is_moe),
+        split_note(plan.cluster.validation, used),
+        "",
+        "best " + describe_prediction(plan.best, plan.cluster),
+    ]
     if advice:
         out.append("  faults: " + advice.sentence())
     out += ["", rejections(plan)]
@@ -135,23 +196,40 @@ def plan_text(plan: Plan, top: int, advice: FaultAdvice | None) -> str:
 
 def plan_json(plan: Plan, top: int, advice: FaultAdvice | None, emitted: str | None = None) -> dict:
     return {
-        "model": _model_dict(plan.shape), "cluster": cluster_dict(plan.cluster), "global_batch": plan.global_batch,
-        "dtype": plan.dtype, "considered": plan.considered, "search_s": plan.search_s,
+        "model": _model_dict(plan.shape),
+        "cluster": cluster_dict(plan.cluster),
+        "global_batch": plan.global_batch,
+        "dtype": plan.dtype,
+        "considered": plan.considered,
+        "search_s": plan.search_s,
         "layouts": [p.as_dict() for p in plan.ranked[:top]],
         "rejected": [r.as_dict() for r in sorted(plan.rejected.values(), key=lambda r: -r.count)],
-        "faults": advice.as_dict() if advice else None, "emitted_config": emitted,
+        "faults": advice.as_dict() if advice else None,
+        "emitted_config": emitted,
     }
 
 
 def _model_dict(shape: ModelShape) -> dict:
     cfg = shape.cfg
-    keys = ("preset", "arch", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len",
-            "tie_embeddings")
+    keys = (
+        "preset",
+        "arch",
+        "hidden",
+        "layers",
+        "heads",
+        "kv_heads",
+        "ffn_hidden",
+        "vocab",
+        "seq_len",
+        "tie_embeddings",
+    )
     out = {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
     out.update(params=shape.total_params, model_flops_per_token=shape.model_flops_per_token)
     if shape.is_moe:
-        out.update({k: getattr(cfg, k) for k in ("num_experts", "top_k", "moe_every", "shared_expert")},
-                   active_params=active_params(cfg))
+        out.update(
+            {k: getattr(cfg, k) for k in ("num_experts", "top_k", "moe_every", "shared_expert")},
+            active_params=active_params(cfg),
+        )
     return out
 
 
@@ -183,8 +261,18 @@ def calibration_text(cal) -> str:
         name = r.run.name + (" (held out)" if r.held_out else "")
         lay = r.run.layout
         spec = f"tp={lay.tp},pp={lay.pp},dp={lay.dp},mbs={lay.mbs}" + (f",{lay.schedule}" if lay.pp > 1 else "")
-        rows.append((name, spec, r.category, f"{r.measured:.4g}", f"{r.prior:.4g}", f"{r.fitted:.4g}",
-                     f"{r.fitted / r.measured - 1:+.1%}", _split_of(r.split)))
+        rows.append(
+            (
+                name,
+                spec,
+                r.category,
+                f"{r.measured:.4g}",
+                f"{r.prior:.4g}",
+                f"{r.fitted:.4g}",
+                f"{r.fitted / r.measured - 1:+.1%}",
+                _split_of(r.split),
+            )
+        )
     lines.append(_columns(cols, rows, lambda i: i < 3 or i == 7))
     steps = [r for r in cal.rows if r.category == "step"]
     if steps:
@@ -198,7 +286,9 @@ def band_text(bands: dict) -> str:
     """Per category, the error band over the runs and whether plans may print it bare."""
     if not bands:
         return "no category was measured: the runs had no spans (train with --log.spans true)"
-    rows = [(name, str(b.runs), b.text(), "within" if b.within else "outside: plans print this band with it")
-            for name, b in bands.items()]
+    rows = [
+        (name, str(b.runs), b.text(), "within" if b.within else "outside: plans print this band with it")
+        for name, b in bands.items()
+    ]
     cols = ("category", "runs", "predicted / measured - 1", f"vs +-{TOLERANCE:.0%}")
     return _columns(cols, rows, lambda i: i in (0, 3))

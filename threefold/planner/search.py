@@ -8,6 +8,7 @@ experts (mixture-of-experts models; ep = 1 for dense ones).
 A rule that fails for a degree rejects every layout under it at once, with one sentence.
 Memory is checked before time, so layouts that do not fit cost almost nothing.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -15,12 +16,21 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from threefold.planner.cluster import GiB, Cluster
-from threefold.planner.cost import Prediction, predict
-from threefold.planner.layout import (RECOMPUTE, SCHEDULES, Layout, batch_reason, ep_reason, feature_reason,
-                                      pp_reason, schedule_reason, tp_reason)
+from threefold.planner.cluster import Cluster, GiB
+from threefold.planner.layout import (
+    RECOMPUTE,
+    SCHEDULES,
+    Layout,
+    batch_reason,
+    ep_reason,
+    feature_reason,
+    pp_reason,
+    schedule_reason,
+    tp_reason,
+)
 from threefold.planner.memory import Memory, device_memory
 from threefold.planner.model import ModelShape
+from threefold.planner.predict import Prediction, predict
 
 MBS_CHOICES = (1, 2, 4, 8, 16, 32)
 VPP_CHOICES = range(2, 9)
@@ -41,15 +51,19 @@ KIND_TITLES = {
 
 def oom_sentence(memory: Memory, usable: float, cluster: Cluster) -> str:
     g = lambda x: f"{x / GiB:.1f}"  # noqa: E731
-    parts = f"params {g(memory.params)} + grads {g(memory.grads)} + optimizer {g(memory.optimizer)} + " \
-            f"activations {g(memory.activations)} GiB for {memory.inflight:g} micro-batch" \
-            f"{'' if memory.inflight == 1 else 'es'} in flight"
+    parts = (
+        f"params {g(memory.params)} + grads {g(memory.grads)} + optimizer {g(memory.optimizer)} + "
+        f"activations {g(memory.activations)} GiB for {memory.inflight:g} micro-batch"
+        f"{'' if memory.inflight == 1 else 'es'} in flight"
+    )
     if memory.buffers:
         parts += f" + buffers {g(memory.buffers)}"
     if memory.expert_state:
         parts += f"; the experts' state is {g(memory.expert_state)} GiB of it"
-    return (f"out of memory: needs {g(memory.total)} GiB per device ({parts}) but each {cluster.device} "
-            f"has {g(usable)} GiB usable.")
+    return (
+        f"out of memory: needs {g(memory.total)} GiB per device ({parts}) but each {cluster.device} "
+        f"has {g(usable)} GiB usable."
+    )
 
 
 @dataclass
@@ -72,8 +86,12 @@ class Rejected:
         return [(spec, sentence) for _, _, spec, sentence in sorted(self.examples, reverse=True)]
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "title": KIND_TITLES.get(self.kind, self.kind), "count": self.count,
-                "examples": [{"layout": spec, "reason": sentence} for spec, sentence in self.best()]}
+        return {
+            "kind": self.kind,
+            "title": KIND_TITLES.get(self.kind, self.kind),
+            "count": self.count,
+            "examples": [{"layout": spec, "reason": sentence} for spec, sentence in self.best()],
+        }
 
 
 @dataclass
@@ -107,12 +125,24 @@ def _allowed(pins: dict, key: str, values) -> list:
 
 
 def _complexity(layout: Layout) -> tuple:
-    return (layout.zero, layout.sp, RECOMPUTE.index(layout.recompute), layout.vpp, SCHEDULES.index(layout.schedule),
-            layout.ep)
+    return (
+        layout.zero,
+        layout.sp,
+        RECOMPUTE.index(layout.recompute),
+        layout.vpp,
+        SCHEDULES.index(layout.schedule),
+        layout.ep,
+    )
 
 
-def search(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str = "bf16",
-           pins: dict | None = None, keep: int = 50) -> Plan:
+def search(
+    shape: ModelShape,
+    cluster: Cluster,
+    global_batch: int,
+    dtype: str = "bf16",
+    pins: dict | None = None,
+    keep: int = 50,
+) -> Plan:
     """Every layout of the cluster's devices for the model and batch; the `keep` fastest that fit."""
     t0 = time.perf_counter()
     pins = dict(pins or {})
@@ -129,8 +159,11 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str = 
 
     experts = getattr(cfg, "num_experts", 0)
     if "ep" in pins and pins["ep"] != 1 and not experts:
-        reject("ep", {"ep": pins["ep"]}, f"ep={pins['ep']}: the model has no experts to place, so expert "
-               "parallelism must be 1.")
+        reject(
+            "ep",
+            {"ep": pins["ep"]},
+            f"ep={pins['ep']}: the model has no experts to place, so expert parallelism must be 1.",
+        )
         pins["ep"] = 1
     tp_pool = [t for t in _divisors(world) if t <= cfg.heads]
     for tp in _allowed(pins, "tp", tp_pool):
@@ -147,12 +180,18 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str = 
                 continue
             dp = pins.get("dp", world // (tp * pp) if world % (tp * pp) == 0 else 0)
             if dp < 1:
-                reject("devices", {"tp": tp, "pp": pp},
-                       f"tp={tp} x pp={pp} = {tp * pp} does not divide the cluster's {world} devices.")
+                reject(
+                    "devices",
+                    {"tp": tp, "pp": pp},
+                    f"tp={tp} x pp={pp} = {tp * pp} does not divide the cluster's {world} devices.",
+                )
                 continue
             if tp * pp * dp > world:
-                reject("devices", {"tp": tp, "pp": pp, "dp": dp},
-                       f"tp={tp} x pp={pp} x dp={dp} needs {tp * pp * dp} devices but the cluster has {world}.")
+                reject(
+                    "devices",
+                    {"tp": tp, "pp": pp, "dp": dp},
+                    f"tp={tp} x pp={pp} x dp={dp} needs {tp * pp * dp} devices but the cluster has {world}.",
+                )
                 continue
             why = batch_reason(global_batch, dp)
             if why:
@@ -183,10 +222,19 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str = 
                         continue
                     for zero in _allowed(pins, "zero", (0, 1, 2, 3) if dp > 1 else (0,)):
                         for sp in _allowed(pins, "sp", (False, True) if tp > 1 else (False,)):
-                            for recompute, ep in itertools.product(_allowed(pins, "recompute", RECOMPUTE),
-                                                                   ep_pool):
-                                layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, mbs=mbs, schedule=schedule,
-                                                zero=zero, sp=sp, recompute=recompute, ep=ep)
+                            for recompute, ep in itertools.product(_allowed(pins, "recompute", RECOMPUTE), ep_pool):
+                                layout = Layout(
+                                    tp=tp,
+                                    pp=pp,
+                                    dp=dp,
+                                    vpp=vpp,
+                                    mbs=mbs,
+                                    schedule=schedule,
+                                    zero=zero,
+                                    sp=sp,
+                                    recompute=recompute,
+                                    ep=ep,
+                                )
                                 considered += 1
                                 why = feature_reason(cfg, layout)
                                 if why:
@@ -194,8 +242,9 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str = 
                                     continue
                                 mem = device_memory(shape, layout, global_batch, dtype)
                                 if mem.total > usable:
-                                    reject("memory", layout.as_dict(), oom_sentence(mem, usable, cluster),
-                                           score=-mem.total)
+                                    reject(
+                                        "memory", layout.as_dict(), oom_sentence(mem, usable, cluster), score=-mem.total
+                                    )
                                     continue
                                 pred = predict(shape, cluster, layout, global_batch, dtype, memory=mem)
                                 key = (pred.step_time_s, _complexity(layout), mem.total)
@@ -205,8 +254,18 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int, dtype: str = 
     for _, _, pred in fits:
         # Variants that differ only in ZeRO stage and predict the same time: list the lowest stage.
         lay = pred.layout
-        fold = (lay.tp, lay.pp, lay.dp, lay.vpp, lay.mbs, lay.schedule, lay.sp, lay.recompute, lay.ep,
-                round(pred.step_time_s, 9))
+        fold = (
+            lay.tp,
+            lay.pp,
+            lay.dp,
+            lay.vpp,
+            lay.mbs,
+            lay.schedule,
+            lay.sp,
+            lay.recompute,
+            lay.ep,
+            round(pred.step_time_s, 9),
+        )
         if fold in seen:
             continue
         seen.add(fold)

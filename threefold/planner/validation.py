@@ -8,6 +8,7 @@ it prints a category whose band leaves +-25% with the band beside it, and names 
 no measurement has checked. Without a calibrated profile the split is the cost model's
 estimate, and the plan says that instead of printing it as if it were measured.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -17,11 +18,27 @@ from threefold.errors import ConfigError
 TOLERANCE = 0.25
 # Measured quantity of a calibration row -> the name its band is kept under. Compute,
 # recompute, host overhead and the bubble are one measured group (calibrate.SPANS).
-MEASURED_AS = {"step": "step", "span_work_s": "work", "span_tp_comm_s": "tp_comm", "span_ep_comm_s": "ep_comm",
-               "span_pp_comm_s": "pp_comm", "span_dp_comm_s": "dp_comm", "span_optimizer_s": "optimizer"}
+MEASURED_AS = {
+    "step": "step",
+    "span_work_s": "work",
+    "span_tp_comm_s": "tp_comm",
+    "span_ep_comm_s": "ep_comm",
+    "span_pp_comm_s": "pp_comm",
+    "span_dp_comm_s": "dp_comm",
+    "span_optimizer_s": "optimizer",
+}
 # Predicted category (cost.CATEGORIES) -> the band that covers it.
-BAND_OF = {"compute": "work", "recompute": "work", "overhead": "work", "bubble": "work", "tp_comm": "tp_comm",
-           "ep_comm": "ep_comm", "pp_comm": "pp_comm", "dp_comm": "dp_comm", "optimizer": "optimizer"}
+BAND_OF = {
+    "compute": "work",
+    "recompute": "work",
+    "overhead": "work",
+    "bubble": "work",
+    "tp_comm": "tp_comm",
+    "ep_comm": "ep_comm",
+    "pp_comm": "pp_comm",
+    "dp_comm": "dp_comm",
+    "optimizer": "optimizer",
+}
 NAMES = tuple(dict.fromkeys(MEASURED_AS.values()))
 
 
@@ -64,8 +81,11 @@ def read_table(table, path: str) -> dict[str, Band]:
             raise ConfigError(f"{path}: validation.{name}", "unknown category", "valid: " + ", ".join(NAMES))
         ok = isinstance(value, list) and len(value) == 3 and all(isinstance(v, (int, float)) for v in value)
         if not ok or value[0] > value[1]:
-            raise ConfigError(f"{path}: validation.{name}", f"{value!r} is not [lowest error, highest error, runs]",
-                              "e.g. [-0.12, 0.08, 9]")
+            raise ConfigError(
+                f"{path}: validation.{name}",
+                f"{value!r} is not [lowest error, highest error, runs]",
+                "e.g. [-0.12, 0.08, 9]",
+            )
         out[name] = Band(float(value[0]), float(value[1]), int(value[2]))
     return out
 
@@ -74,8 +94,7 @@ def toml_lines(bands: dict[str, Band]) -> list[str]:
     """The [validation] table of a saved profile (nothing when there are no bands)."""
     if not bands:
         return []
-    lines = ["", "# predicted / measured - 1 of each category after calibration: lowest, highest, runs",
-             "[validation]"]
+    lines = ["", "# predicted / measured - 1 of each category after calibration: lowest, highest, runs", "[validation]"]
     return lines + [f"{name} = [{b.lo:.4f}, {b.hi:.4f}, {b.runs}]" for name, b in bands.items()]
 
 
@@ -93,8 +112,10 @@ def annotation(category: str, bands: dict[str, Band]) -> str:
 def split_note(bands: dict[str, Band], categories) -> str:
     """One line under a plan's table: how far to trust the per-category shares."""
     if not bands:
-        return ("the per-category shares are the cost model's estimate: no calibration has checked them on this "
-                "cluster (threefold plan --calibrate RUN_DIR ... --save-profile FILE, docs/planner.md)")
+        return (
+            "the per-category shares are the cost model's estimate: no calibration has checked them on this "
+            "cluster (threefold plan --calibrate RUN_DIR ... --save-profile FILE, docs/planner.md)"
+        )
     used = list(dict.fromkeys(BAND_OF[c] for c in categories if c in BAND_OF))
     good = [n for n in used if n in bands and bands[n].within]
     off = [f"{n} {bands[n].text()}" for n in used if n in bands and not bands[n].within]

@@ -1,4 +1,5 @@
 """`threefold train`: validate, prepare shared state once, then run the workers."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,9 @@ def _prepare_once(cfg: Config) -> None:
     open_data(cfg)
     device = torch.device("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
-        device_peak_flops(device, resolve_dtype(cfg.train.dtype, device), threads=cfg.train.threads,
-                          cache_dir=cfg.data.cache_dir)
+        device_peak_flops(
+            device, resolve_dtype(cfg.train.dtype, device), threads=cfg.train.threads, cache_dir=cfg.data.cache_dir
+        )
 
 
 def start_workers(cfg: Config, measure_memory: bool = False):
@@ -50,8 +52,14 @@ def start_workers(cfg: Config, measure_memory: bool = False):
         return run_worker(cfg.to_dict(), measure_memory)
     from threefold.distributed.launch import launch
 
-    return launch(run_worker, (cfg.to_dict(), measure_memory), world, cfg.train.threads, cfg.train.max_restarts,
-                  cfg.train.timeout_s)
+    return launch(
+        run_worker,
+        (cfg.to_dict(), measure_memory),
+        world,
+        cfg.train.threads,
+        cfg.train.max_restarts,
+        cfg.train.timeout_s,
+    )
 
 
 def run_train(cfg: Config) -> int:

@@ -5,6 +5,7 @@ Each MoE layer counts what it routed on this rank (its tokens: its TP slice of i
 micro-batches); layers live on their pipeline stage. So a plain sum over every rank of a
 [layers, experts + 3] table counts each token once: one all-reduce per step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,13 +18,14 @@ HOT = 2.0  # an expert routed more than HOT x the layer's mean is flagged
 
 
 class ExpertLoad:
-    def __init__(self, layers: dict[int, MoE], moe_rows: list[int], num_layers: int, num_experts: int,
-                 microbatches: int, device):
+    def __init__(
+        self, layers: dict[int, MoE], moe_rows: list[int], num_layers: int, num_experts: int, microbatches: int, device
+    ):
         self.layers, self.moe_rows, self.num_layers, self.num_experts = layers, moe_rows, num_layers, num_experts
         self.microbatches, self.device = microbatches, device
 
     @classmethod
-    def of(cls, chunks, model: ModelConfig, microbatches: int, device) -> "ExpertLoad":
+    def of(cls, chunks, model: ModelConfig, microbatches: int, device) -> ExpertLoad:
         """This rank's MoE layers; `microbatches` of the whole global batch."""
         layers = {i: layer for chunk in chunks for i, layer in moe_layers(chunk).items()}
         rows = [i for i in range(model.layers) if is_moe_layer(model, i)]

@@ -18,6 +18,7 @@ Steps are 0-based loop indices: `step=5` fires before the sixth optimizer step. 
 would recur forever (kill, hang, nan, corrupt) fire only on the elastic agent's first attempt
 (TORCHELASTIC_RESTART_COUNT = 0), so the restarted job can succeed.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,9 +34,14 @@ from threefold.config import TrainConfig
 from threefold.errors import ConfigError
 
 ENV = "THREEFOLD_FAULT"
-KINDS = {"kill": ({"rank", "step"}, set()), "killnode": ({"rank", "step"}, set()), "hang": ({"rank", "step"}, set()),
-         "slow": ({"rank", "factor"}, {"step"}), "nan": ({"step"}, {"rank", "count"}),
-         "corrupt": ({"step"}, {"file"})}
+KINDS = {
+    "kill": ({"rank", "step"}, set()),
+    "killnode": ({"rank", "step"}, set()),
+    "hang": ({"rank", "step"}, set()),
+    "slow": ({"rank", "factor"}, {"step"}),
+    "nan": ({"step"}, {"rank", "count"}),
+    "corrupt": ({"step"}, {"file"}),
+}
 VALID = "e.g. kill:rank=1:step=5, hang:rank=0:step=3, slow:rank=1:factor=3, nan:step=4:count=2, corrupt:step=4"
 
 
@@ -67,8 +73,11 @@ def parse(spec: str, key: str = ENV) -> list[Fault]:
             name, sep, raw = pair.partition("=")
             required, optional = KINDS[kind]
             if not sep or name not in required | optional:
-                raise ConfigError(key, f"{pair!r} in {item!r} is not a key=value of {kind}",
-                                  "keys: " + ", ".join(sorted(required | optional)))
+                raise ConfigError(
+                    key,
+                    f"{pair!r} in {item!r} is not a key=value of {kind}",
+                    "keys: " + ", ".join(sorted(required | optional)),
+                )
             try:
                 values[name] = raw if name == "file" else (float(raw) if name == "factor" else int(raw))
             except ValueError:
@@ -94,8 +103,11 @@ def check(train: TrainConfig, world_size: int, restart_count: int = 0) -> None:
     spec, key = spec_of(train)
     for f in parse(spec, key):
         if f.rank is not None and f.rank >= world_size and restart_count == 0:
-            raise ConfigError(key, f"{f.kind} names rank {f.rank} but the world has {world_size} ranks",
-                              f"valid: 0 to {world_size - 1}")
+            raise ConfigError(
+                key,
+                f"{f.kind} names rank {f.rank} but the world has {world_size} ranks",
+                f"valid: 0 to {world_size - 1}",
+            )
 
 
 class FaultInjector:
@@ -108,7 +120,7 @@ class FaultInjector:
         self._poison = False
 
     @classmethod
-    def from_config(cls, train: TrainConfig, run: str, rank: int, restart_count: int) -> "FaultInjector":
+    def from_config(cls, train: TrainConfig, run: str, rank: int, restart_count: int) -> FaultInjector:
         """The faults of train.faults (or $THREEFOLD_FAULT) for `rank`; `run` (the log directory)
         keys which faults have fired in this process."""
         spec, key = spec_of(train)
@@ -166,7 +178,6 @@ class FaultInjector:
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
         print(f"threefold: fault injection: corrupted {path}", file=sys.stderr, flush=True)
-
 
 
 def _kill_node() -> None:

@@ -8,6 +8,7 @@ whose compute time stays above 1.5x the median of its peers for `train.straggler
 in a row. Peers are the ranks of the same pipeline stage (stages do different work: the last
 one computes the head and loss); with one rank per stage, all ranks.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,11 +29,16 @@ class NonFiniteRollback(RuntimeError):
 
 
 class StepHealth:
-    def __init__(self, world_group, rollback_after: int, straggler_steps: int, log=print,
-                 stage_of: list[int] | None = None):
+    def __init__(
+        self, world_group, rollback_after: int, straggler_steps: int, log=print, stage_of: list[int] | None = None
+    ):
         """`stage_of[r]`: rank r's pipeline stage (None: all ranks do the same work)."""
-        self.world, self.rollback_after, self.straggler_steps, self.log = world_group, rollback_after, \
-            straggler_steps, log
+        self.world, self.rollback_after, self.straggler_steps, self.log = (
+            world_group,
+            rollback_after,
+            straggler_steps,
+            log,
+        )
         n = world_group.size
         stage_of = stage_of or [0] * n
         peers = [[r for r in range(n) if stage_of[r] == s] for s in sorted(set(stage_of))]
@@ -45,16 +51,18 @@ class StepHealth:
         self.in_a_row = 0
         self.last: dict = {}
 
-    def agree(self, grad_norm: torch.Tensor, loss_sum: torch.Tensor, compute_s: float,
-              scaler_enabled: bool) -> torch.Tensor:
+    def agree(
+        self, grad_norm: torch.Tensor, loss_sum: torch.Tensor, compute_s: float, scaler_enabled: bool
+    ) -> torch.Tensor:
         """The gradient norm every rank must step with: NaN on all ranks when any rank's loss
         or gradient was non-finite (with loss scaling a non-finite gradient alone is an fp16
         overflow, which the scaler handles and which is not counted as a divergence)."""
         bad_loss = not bool(torch.isfinite(loss_sum).all())
         bad_grad = not math.isfinite(float(grad_norm))
         # On the gradient's device: the world group is NCCL on CUDA.
-        mine = torch.tensor([compute_s, float(bad_loss or (bad_grad and not scaler_enabled)), float(bad_grad)],
-                            device=grad_norm.device)
+        mine = torch.tensor(
+            [compute_s, float(bad_loss or (bad_grad and not scaler_enabled)), float(bad_grad)], device=grad_norm.device
+        )
         table = comm.all_gather_dim0(mine.view(1, 3), self.world).cpu()
         self._stragglers(table[:, 0])
         diverged = bool(table[:, 1].any())
@@ -81,8 +89,10 @@ class StepHealth:
                 self.fast_streak[r] = 0 if slow else self.fast_streak[r] + 1
                 if self.slow_streak[r] >= self.straggler_steps and r not in self.named:
                     self.named.add(r)
-                    self.log(f"threefold: straggler: rank {r} computed {t / median:.1f}x the median "
-                             f"({t * 1e3:.0f} ms vs {median * 1e3:.0f} ms) for {self.slow_streak[r]} steps in a row")
+                    self.log(
+                        f"threefold: straggler: rank {r} computed {t / median:.1f}x the median "
+                        f"({t * 1e3:.0f} ms vs {median * 1e3:.0f} ms) for {self.slow_streak[r]} steps in a row"
+                    )
                 # As many normal steps to be cleared as slow ones to be named: one noisy step of
                 # its peers does not toggle a rank in and out of the list.
                 elif self.fast_streak[r] >= self.straggler_steps and r in self.named:
@@ -92,8 +102,12 @@ class StepHealth:
     def record(self, step: int, applied: bool) -> dict:
         """Counters of the run so far, for the metrics of the step just taken."""
         self.skipped += not applied
-        return {"steps_skipped": self.skipped, "nonfinite_steps": self.nonfinite,
-                "stragglers": sorted(self.named), **self.last}
+        return {
+            "steps_skipped": self.skipped,
+            "nonfinite_steps": self.nonfinite,
+            "stragglers": sorted(self.named),
+            **self.last,
+        }
 
     @property
     def rollback_due(self) -> bool:

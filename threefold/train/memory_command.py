@@ -6,6 +6,7 @@ for a run configuration, measured on one real training step and predicted by the
 It takes the same keys as `threefold train` (one step is run, nothing is saved). For a model
 too large to run here, `threefold plan` predicts the same quantities for any cluster.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,13 @@ def _size(n: float | None) -> str:
 
 
 def format_rows(rows: list[dict], title: str) -> str:
-    lines = [title, "measured / predicted per rank; ratio = measured / predicted of the total",
-             f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>3}  " + "  ".join(f"{c:>23}" for c in COLUMNS)
-             + f"  {'total':>23} {'ratio':>6}"]
+    lines = [
+        title,
+        "measured / predicted per rank; ratio = measured / predicted of the total",
+        f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>3}  "
+        + "  ".join(f"{c:>23}" for c in COLUMNS)
+        + f"  {'total':>23} {'ratio':>6}",
+    ]
     for r in rows:
         meas, pred = r["measured"], r["predicted"]
         cells = [f"{_size(meas[c]):>10} / {_size(pred[c]):>10}" for c in COLUMNS]
@@ -41,8 +46,11 @@ def format_rows(rows: list[dict], title: str) -> str:
         total_p = sum(pred[c] for c in covered)
         ratio = sum(meas[c] for c in covered) / total_p if total_p else float("nan")
         total_p_cell = _size(total_p) if len(covered) == len(COLUMNS) else "-"
-        lines.append(f"{r['rank']:>4} {r['tp']:>3} {r['pp']:>3} {r['dp']:>3}  " + "  ".join(cells)
-                     + f"  {_size(total_m):>10} / {total_p_cell:>10} {ratio:>6.3f}")
+        lines.append(
+            f"{r['rank']:>4} {r['tp']:>3} {r['pp']:>3} {r['dp']:>3}  "
+            + "  ".join(cells)
+            + f"  {_size(total_m):>10} / {total_p_cell:>10} {ratio:>6.3f}"
+        )
     if any(r["predicted"]["activations"] is None for r in rows):
         lines.append("activations: '-' = no formula for MoE layers (measured only; ratio over the other columns)")
     return "\n".join(lines)
@@ -74,8 +82,11 @@ def memory_command(argv: list[str]) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     p = cfg.parallel
-    title = (f"threefold memory: {cfg.model.preset}, tp {p.tp} x pp {p.pp} x dp {p.dp}"
-             + (f" (ep {p.ep})" if p.ep > 1 else "") + f", zero {p.zero}, schedule {p.schedule}, "
-             f"micro-batches {p.microbatches} x {cfg.train.micro_batch}, recompute {cfg.train.recompute}")
+    title = (
+        f"threefold memory: {cfg.model.preset}, tp {p.tp} x pp {p.pp} x dp {p.dp}"
+        + (f" (ep {p.ep})" if p.ep > 1 else "")
+        + f", zero {p.zero}, schedule {p.schedule}, "
+        f"micro-batches {p.microbatches} x {cfg.train.micro_batch}, recompute {cfg.train.recompute}"
+    )
     print(format_rows(rows, title))
     return 0

@@ -16,6 +16,7 @@ Predicted:
                                head input and fp32 logits. MoE layers are not covered by the
                                formula: their ranks show measured activations only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,7 +71,9 @@ def predicted_activation_bytes(cfg: Config, grid, chunks: list[nn.Module], eleme
     # only until it is sent, so at the peak (the end of a forward) just the output being made.
     senders = set(range(len(chunks))) - heads
     held = (min(1, len(senders)) if p.free_sent_outputs else peak_inflight(actions, senders)) * sbh
-    return peak_inflight_layers(actions, layers) * per_layer * element_size + peak_inflight(actions, heads) * head + held
+    return (
+        peak_inflight_layers(actions, layers) * per_layer * element_size + peak_inflight(actions, heads) * head + held
+    )
 
 
 class MemoryProbe:
@@ -98,10 +101,17 @@ class MemoryProbe:
     def gather(self, cfg: Config, grid, chunks: list[nn.Module], dtype: torch.dtype) -> list[dict] | None:
         """Collective over the world: every rank's row, on rank 0 (None elsewhere)."""
         size = torch.empty((), dtype=dtype).element_size()
-        row = {"rank": grid.global_rank, "tp": grid.tp_rank, "pp": grid.pp_rank, "dp": grid.dp_rank,
-               "ep": grid.ep_rank,
-               "measured": {**self.state["measured"], "activations": self.activations},
-               "predicted": {**self.state["predicted"],
-                             "activations": predicted_activation_bytes(cfg, grid, chunks, size)}}
+        row = {
+            "rank": grid.global_rank,
+            "tp": grid.tp_rank,
+            "pp": grid.pp_rank,
+            "dp": grid.dp_rank,
+            "ep": grid.ep_rank,
+            "measured": {**self.state["measured"], "activations": self.activations},
+            "predicted": {
+                **self.state["predicted"],
+                "activations": predicted_activation_bytes(cfg, grid, chunks, size),
+            },
+        }
         rows = comm.all_gather_objects(row, grid.world)
         return rows if grid.global_rank == 0 else None

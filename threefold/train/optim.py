@@ -1,4 +1,5 @@
 """AdamW with decay groups, warm-up + cosine learning rate, clipping by global gradient norm."""
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, tcfg) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, tcfg.weight_decay), lr=tcfg.lr,
-                             betas=(tcfg.beta1, tcfg.beta2), eps=1e-8, foreach=True)
+    return torch.optim.AdamW(
+        param_groups(model, tcfg.weight_decay), lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=1e-8, foreach=True
+    )
 
 
 def lr_at(step: int, tcfg) -> float:

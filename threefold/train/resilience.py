@@ -10,6 +10,7 @@
 
 See faults.py, health.py, checkpoint/writer.py and observe/goodput.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,17 @@ def continues_run(start_step: int) -> bool:
 
 
 class RunGuard:
-    def __init__(self, cfg: Config, grid, chunks: list, state: list, start_step: int, log=print, scaler=None,
-                 faults: FaultInjector | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        grid,
+        chunks: list,
+        state: list,
+        start_step: int,
+        log=print,
+        scaler=None,
+        faults: FaultInjector | None = None,
+    ):
         """`scaler`: the engine's loss scaler, whose state each checkpoint carries (fp16).
         `faults`: the injector of an earlier attempt in this process (a rollback), already
         installed on `chunks`; None builds and installs one."""
@@ -43,13 +53,18 @@ class RunGuard:
         is_logger = grid.global_rank == 0
         self.segment = uuid.uuid4().hex[:8]
         if faults is None:
-            faults = FaultInjector.from_config(cfg.train, cfg.log.dir, grid.global_rank,
-                                               WorkerEnv.from_environ().restart_count)
+            faults = FaultInjector.from_config(
+                cfg.train, cfg.log.dir, grid.global_rank, WorkerEnv.from_environ().restart_count
+            )
             faults.install(chunks)
         self.faults = faults
-        self.health = StepHealth(grid.world, t.nan_rollback_after, t.straggler_steps,
-                                 log if is_logger else (lambda *_: None),
-                                 stage_of=[grid.layout.coords(r)["pp"] for r in range(grid.world.size)])
+        self.health = StepHealth(
+            grid.world,
+            t.nan_rollback_after,
+            t.straggler_steps,
+            log if is_logger else (lambda *_: None),
+            stage_of=[grid.layout.coords(r)["pp"] for r in range(grid.world.size)],
+        )
         self.goodput = Goodput(cfg.log.dir, enabled=is_logger, continuing=continues_run(start_step))
         # Events of the whole run, every attempt included (steps lost to a failure too): a NaN
         # that forced a rollback still happened. Rank 0 reports them; it read the records.
@@ -57,8 +72,9 @@ class RunGuard:
         self.health.nonfinite = self.goodput.previous_counters.get("nonfinite_steps", 0)
         self.ckpt = None
         if c.dir:
-            self.ckpt = Checkpointer(c.dir, state, cfg.to_dict(), grid.describe(), c.keep, c.async_save,
-                                     on_published=self.faults.after_save)
+            self.ckpt = Checkpointer(
+                c.dir, state, cfg.to_dict(), grid.describe(), c.keep, c.async_save, on_published=self.faults.after_save
+            )
 
     def step_begins(self, step: int) -> None:
         self.faults.step_begins(step, on_fault=lambda f: record_fault(self.cfg.log.dir, self.rank, f.kind, step))

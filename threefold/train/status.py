@@ -1,4 +1,5 @@
 """The live status line on the launching terminal (rank 0 only)."""
+
 from __future__ import annotations
 
 import sys
@@ -31,8 +32,10 @@ class StatusLine:
         left = self.total - step - 1
         eta = (time.perf_counter() - self.started) / max(1, done) * left
         mfu_text = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
-        text = (f"step {step + 1}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
-                f"MFU {mfu_text}  ETA {_fmt_duration(eta)}")
+        text = (
+            f"step {step + 1}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
+            f"MFU {mfu_text}  ETA {_fmt_duration(eta)}"
+        )
         if self.tty:
             self.stream.write("\r\033[K" + text)
             if left == 0:

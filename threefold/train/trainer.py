@@ -13,6 +13,7 @@ A step is a short list of phases, each timed as its span category when log.spans
     optimizer         clip and AdamW (ZeRO 1/2 gather the new parameters)
     sync              the loss, and the slowest rank's memory, data wait and pipeline idle
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,7 +51,6 @@ from threefold.train.optim import lr_at
 from threefold.train.resilience import RunGuard, continues_run
 from threefold.train.status import StatusLine
 
-
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -70,8 +70,10 @@ def open_data(cfg: Config):
     d, m = cfg.data, cfg.model
     tokens = load_tokens(d.path, d.vocab, d.dtype, d.cache_dir, d.tokenizer)
     if tokens.vocab_size > m.vocab:
-        raise DataError(f"{tokens.source}: token ids go up to vocab {tokens.vocab_size} but model.vocab is "
-                        f"{m.vocab} (set --model.vocab {tokens.vocab_size} or larger)")
+        raise DataError(
+            f"{tokens.source}: token ids go up to vocab {tokens.vocab_size} but model.vocab is "
+            f"{m.vocab} (set --model.vocab {tokens.vocab_size} or larger)"
+        )
     if d.tokenizer:
         check_vocab(open_tokenizer(d.tokenizer), m.vocab, f"data.tokenizer {d.tokenizer}")
     tokens = training_part(tokens, d.val_fraction)  # the held-out tail is never sampled
@@ -95,27 +97,37 @@ class Trainer:
         self.is_logger = grid.global_rank == 0
         self.log = log if self.is_logger else _quiet
         self.dtype = resolve_dtype(t.dtype, device)
-        self.chunks, self.executor = build_stage(cfg, grid, device, partial(build_model, cfg, grid, device),
-                                                 self.dtype)
+        self.chunks, self.executor = build_stage(cfg, grid, device, partial(build_model, cfg, grid, device), self.dtype)
         self.model = nn.ModuleList(self.chunks)  # this rank's pipeline chunks (one without pipelining)
         tied = m.tie_embeddings
         self.tied = tied_head_weights(self.chunks, tied, grid)  # the embedding and its last-stage copy
         self.tied_copy = [w for c in self.chunks if c.tok_embed is None for w in tied_head_weights([c], tied, grid)]
-        precision = MixedPrecision.from_names(DTYPE_NAMES[self.dtype], t.grad_reduce_dtype, t.loss_scale,
-                                              t.initial_loss_scale, t.loss_scale_window)
-        self.engine = build_data_parallel(self.chunks, grid, zero=p.zero, bucket_mb=p.bucket_mb, precision=precision,
-                                          betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, own_bucket=self.tied)
+        precision = MixedPrecision.from_names(
+            DTYPE_NAMES[self.dtype], t.grad_reduce_dtype, t.loss_scale, t.initial_loss_scale, t.loss_scale_window
+        )
+        self.engine = build_data_parallel(
+            self.chunks,
+            grid,
+            zero=p.zero,
+            bucket_mb=p.bucket_mb,
+            precision=precision,
+            betas=(t.beta1, t.beta2),
+            weight_decay=t.weight_decay,
+            own_bucket=self.tied,
+        )
         self.expert_load = ExpertLoad.of(self.chunks, m, t.global_batch // t.micro_batch, device)
         self.partial = partial_params(self.chunks)  # gradients each TP rank holds a part of
         if self.executor.store is not None:  # zero-bubble W passes add their dW through the engine
             self.executor.store.accumulate = self.engine.accumulate_grad
-        self.state = training_state(self.chunks, self.engine, grid,
-                                    aliases={id(w): "tok_embed.weight" for w in self.tied_copy})
+        self.state = training_state(
+            self.chunks, self.engine, grid, aliases={id(w): "tok_embed.weight" for w in self.tied_copy}
+        )
         self.tokens, self.sampler = open_data(cfg)
         self.tokens_per_step = t.global_batch * m.seq_len
         flops_per_step = train_flops_per_token(m, m.seq_len) * self.tokens_per_step
-        peak = device_peak_flops(device, self.dtype, threads=t.threads if device.type == "cpu" else None,
-                                 cache_dir=cfg.data.cache_dir)
+        peak = device_peak_flops(
+            device, self.dtype, threads=t.threads if device.type == "cpu" else None, cache_dir=cfg.data.cache_dir
+        )
         bubble = bubble_theory(p.schedule, p.pp, p.microbatches, p.vpp) if p.pp > 1 else 0.0
         self.throughput = Throughput(self.tokens_per_step, flops_per_step, grid.layout.world_size, peak, bubble)
         self.observer = StepObserver(cfg.log, grid, device, self.is_logger)  # where each rank's step time went
@@ -124,9 +136,18 @@ class Trainer:
         self.metrics = self.guard = None
         self._open_records()
         if self.is_logger:
-            write_run_json(cfg.log.dir, cfg.to_dict(), grid.describe(), device=device,
-                           extra={"data": self.tokens.source, "peak_flops_per_device": peak, "dtype": str(self.dtype),
-                                  "train_flops_per_token": flops_per_step / self.tokens_per_step})
+            write_run_json(
+                cfg.log.dir,
+                cfg.to_dict(),
+                grid.describe(),
+                device=device,
+                extra={
+                    "data": self.tokens.source,
+                    "peak_flops_per_device": peak,
+                    "dtype": str(self.dtype),
+                    "train_flops_per_token": flops_per_step / self.tokens_per_step,
+                },
+            )
         self.status = StatusLine(t.steps, cfg.log.interval, enabled=self.is_logger and not cfg.log.quiet)
         self.heldout = HeldOut(cfg) if t.eval_every else None
         self._last_failure: int | None = None
@@ -166,17 +187,20 @@ class Trainer:
     def _open_records(self, faults=None) -> None:
         """metrics.jsonl (appended to when the run continues) and the guard of this attempt."""
         cfg, log = self.cfg, self.log
-        self.metrics = MetricsWriter(cfg.log.dir, enabled=self.is_logger, append=continues_run(self.start_step),
-                                     tensorboard=cfg.log.tensorboard)
-        self.guard = RunGuard(cfg, self.grid, self.chunks, self.state, self.start_step, log, self.engine.scaler,
-                              faults=faults)
+        self.metrics = MetricsWriter(
+            cfg.log.dir, enabled=self.is_logger, append=continues_run(self.start_step), tensorboard=cfg.log.tensorboard
+        )
+        self.guard = RunGuard(
+            cfg, self.grid, self.chunks, self.state, self.start_step, log, self.engine.scaler, faults=faults
+        )
 
     # --- one step -----------------------------------------------------------------------------
     def batches(self, step: int) -> list:
         """This rank's micro-batches of global step `step` (0-based)."""
         t = self.cfg.train
-        return self.sampler.microbatches(self.tokens.tokens, step, self.grid.dp_rank, self.grid.layout.dp,
-                                         t.micro_batch)
+        return self.sampler.microbatches(
+            self.tokens.tokens, step, self.grid.dp_rank, self.grid.layout.dp, t.micro_batch
+        )
 
     def train_step(self, step: int, batches: list | None = None, data_wait_s: float = 0.0) -> StepResult:
         """One optimizer step on global step `step` (0-based): `batches` (default: the
@@ -197,12 +221,18 @@ class Trainer:
         mode = self.cfg.parallel.grad_reduce
         if mode == "every" and engine.zero < 2:  # dp 1 runs ZeRO as stage 0: nothing to reduce
             mode = "overlap"
-        with self.probe.watch(self.chunks) if self.probe else contextlib.nullcontext() as meter, \
-                engine.no_sync() if mode == "after" else contextlib.nullcontext():
+        with (
+            self.probe.watch(self.chunks) if self.probe else contextlib.nullcontext() as meter,
+            engine.no_sync() if mode == "after" else contextlib.nullcontext(),
+        ):
             # Backward runs on the loss over the step's tokens, times a dynamic loss scale (fp16).
-            loss_sum, pipe = self.executor.run(batches, self.tokens_per_step / engine.loss_scale,
-                                               no_sync=engine.no_sync if mode == "overlap" else None,
-                                               spans=self.observer.recorder, meter=meter)
+            loss_sum, pipe = self.executor.run(
+                batches,
+                self.tokens_per_step / engine.loss_scale,
+                no_sync=engine.no_sync if mode == "overlap" else None,
+                spans=self.observer.recorder,
+                meter=meter,
+            )
         compute_s = self.guard.compute_time(step, pipe)
         norm = finalize_grads(engine, grid, self.partial, self.tied, self.tied_copy, phase)
         with phase("optimizer"):
@@ -215,12 +245,29 @@ class Trainer:
             all_reduce_sum(loss_sum, grid.pp)  # only the last stage computed a loss
             all_reduce_sum(loss_sum, grid.dp)
             # One small MAX reduction: the slowest rank's memory, data wait and pipeline idle.
-            worst = all_reduce_max(torch.tensor([float(peak_memory_bytes(self.device)), data_wait_s, pipe.recv_wait_s,
-                                                 pipe.idle_fraction], device=self.device), grid.world)
+            worst = all_reduce_max(
+                torch.tensor(
+                    [float(peak_memory_bytes(self.device)), data_wait_s, pipe.recv_wait_s, pipe.idle_fraction],
+                    device=self.device,
+                ),
+                grid.world,
+            )
             loss, grad_norm, worst = loss_sum.item() / self.tokens_per_step, norm.item(), worst.tolist()
-        return StepResult(step + 1, loss, grad_norm, lr, applied, time.perf_counter() - t0, worst[1], int(worst[0]),
-                          worst[2], worst[3], grid.tp.stats.total_bytes - tp_bytes0,
-                          engine.comm_stats()["dp_exposed_s"], engine.loss_scale)
+        return StepResult(
+            step + 1,
+            loss,
+            grad_norm,
+            lr,
+            applied,
+            time.perf_counter() - t0,
+            worst[1],
+            int(worst[0]),
+            worst[2],
+            worst[3],
+            grid.tp.stats.total_bytes - tp_bytes0,
+            engine.comm_stats()["dp_exposed_s"],
+            engine.loss_scale,
+        )
 
     # --- the loop -----------------------------------------------------------------------------
     def train(self) -> dict:
@@ -259,8 +306,10 @@ class Trainer:
                 last.update(self.observer.end_step(self.engine))
                 self.metrics.write(last)
                 if last.get("moe_hot_experts") and (step + 1) % cfg.log.interval == 0:
-                    self.log(f"threefold: step {step + 1}: experts above 2x their layer's mean load: "
-                             f"{', '.join(last['moe_hot_experts'])}")
+                    self.log(
+                        f"threefold: step {step + 1}: experts above 2x their layer's mean load: "
+                        f"{', '.join(last['moe_hot_experts'])}"
+                    )
                 self.status.update(step, result.loss, last["tokens_per_s"], last["mfu"])
                 self.guard.check_rollback(step, self.metrics)
             self.guard.close()
@@ -271,11 +320,14 @@ class Trainer:
         from its step; a divergence that comes back no later than last time is an error."""
         c = self.cfg.checkpoint
         if not c.dir or not list_checkpoints(Path(c.dir)):
-            raise DivergedError(f"train: {err} and there is no checkpoint to roll back to "
-                                "(set checkpoint.dir and checkpoint.interval, or lower train.lr)") from None
+            raise DivergedError(
+                f"train: {err} and there is no checkpoint to roll back to "
+                "(set checkpoint.dir and checkpoint.interval, or lower train.lr)"
+            ) from None
         if self._last_failure is not None and err.step <= self._last_failure:
-            raise DivergedError(f"train: {err}, again after rolling back (lower train.lr or check the data "
-                                f"around step {err.step + 1})") from None
+            raise DivergedError(
+                f"train: {err}, again after rolling back (lower train.lr or check the data around step {err.step + 1})"
+            ) from None
         self._last_failure = err.step
         if self.is_logger:
             print(f"threefold: {err}: rolling back to the last checkpoint", file=sys.stderr, flush=True)

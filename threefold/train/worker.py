@@ -3,6 +3,7 @@
 Runs under the elastic agent (spawned by `threefold train` or started by torchrun) or
 in-process for a single-device run.
 """
+
 from __future__ import annotations
 
 import sys
@@ -39,8 +40,9 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False):
     try:
         device = join_group(cfg, env)
         layout = layout_of(cfg)
-        layout.check_placement(cfg.parallel.devices_per_node or env.local_world_size,
-                               cfg.parallel.allow_tp_across_nodes)
+        layout.check_placement(
+            cfg.parallel.devices_per_node or env.local_world_size, cfg.parallel.allow_tp_across_nodes
+        )
         grid = Grid.build(layout, timeout=timedelta(seconds=cfg.train.timeout_s), device=device)
         probe = None
         if measure_memory:

@@ -5,14 +5,24 @@ first, lerp for the first moment, bias corrections as Python floats) makes each 
 update bit-identical to torch's when given the same gradient, so a sharded optimizer differs
 from the unsharded one only through gradient reduction order.
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                 exp_avg_sqs: list[torch.Tensor], decay_views: list[torch.Tensor], step: int, lr: float,
-                 betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+def adamw_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    decay_views: list[torch.Tensor],
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
     """One AdamW step, in place. `decay_views` are the parts of `params` that take weight
     decay (matrices, not norms/biases); `step` counts from 1."""
     beta1, beta2 = betas
@@ -21,10 +31,10 @@ def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
     step_size = (lr / bias_correction1) * -1
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bias_correction2 ** 0.5)
+    torch._foreach_div_(denom, bias_correction2**0.5)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)

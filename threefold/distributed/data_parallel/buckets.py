@@ -23,6 +23,7 @@ future, `is_completed()` stays False), so in-flight time cannot be observed dire
 *cost* to hide is measured by `time_serial()`, which replays the same collectives blocking on
 scratch buffers. hidden = 1 - exposed / serial.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,7 +41,7 @@ class Bucket:
     """One bucket: its unreduced gradient, the parameters heard from since it last completed,
     and its reduction, started once (`start`) and completed once (`finish`) per reduction."""
 
-    def __init__(self, owner: "GradBuckets", index: int):
+    def __init__(self, owner: GradBuckets, index: int):
         self.owner, self.index = owner, index
         self.spec = owner.layout.buckets[index]
         self.full: torch.Tensor | None = None  # ZeRO 2/3: the unreduced gradient of this step
@@ -54,7 +55,7 @@ class Bucket:
         """The whole (unreduced, or all-reduced) gradient of the bucket."""
         o, b = self.owner, self.spec
         if not o.sharded:
-            return o.flat[b.start:b.start + b.numel]
+            return o.flat[b.start : b.start + b.numel]
         if self.full is None:
             self.full = torch.zeros(b.numel, dtype=o.grad_dtype, device=o.device)
         return self.full
@@ -74,8 +75,10 @@ class Bucket:
         into this rank's slice (ZeRO 2/3)."""
         o = self.owner
         if not o.sharded and self.launched:
-            raise RuntimeError("data parallel: a second synchronized backward in one step would sum the "
-                               "gradients twice (zero 0/1): run all but the last micro-batch under no_sync()")
+            raise RuntimeError(
+                "data parallel: a second synchronized backward in one step would sum the "
+                "gradients twice (zero 0/1): run all but the last micro-batch under no_sync()"
+            )
         self.launched = self.in_flight = True
         full = self.view()
         if not o.sharded:
@@ -92,14 +95,22 @@ class Bucket:
         o = self.owner
         if o.sharded:
             b = self.spec
-            o.shard_buffer()[b.shard_offset:b.shard_offset + b.shard_numel].add_(self.out)
+            o.shard_buffer()[b.shard_offset : b.shard_offset + b.shard_numel].add_(self.out)
             self.full = self.out = None
         self.work, self.in_flight = None, False
 
 
 class GradBuckets:
-    def __init__(self, params: list[torch.nn.Parameter], layout: BucketLayout, group: Group, zero: int,
-                 grad_dtype: torch.dtype, device: torch.device, grads_as_views: bool):
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        layout: BucketLayout,
+        group: Group,
+        zero: int,
+        grad_dtype: torch.dtype,
+        device: torch.device,
+        grads_as_views: bool,
+    ):
         self.params, self.layout, self.group, self.zero = params, layout, group, zero
         self.grad_dtype, self.device = grad_dtype, device
         self.shard_rank = group.rank if layout.shards > 1 else 0
@@ -125,7 +136,7 @@ class GradBuckets:
     # --- views ------------------------------------------------------------------------------
     def _make_view(self, i: int) -> torch.Tensor:
         s = self.layout.slots[i]
-        return self.flat[s.start:s.start + s.numel].view(s.shape)
+        return self.flat[s.start : s.start + s.numel].view(s.shape)
 
     def bucket_view(self, b: int) -> torch.Tensor:
         """The full (unreduced or all-reduced) gradient of bucket `b`."""
@@ -146,7 +157,7 @@ class GradBuckets:
         """Per bucket, the reduced gradient slice this rank's optimizer updates."""
         if self.sharded:  # no backward since zero_grad: a zero gradient
             shard = self.shard_buffer()
-            return [shard[b.shard_offset:b.shard_offset + b.shard_numel] for b in self.layout.buckets]
+            return [shard[b.shard_offset : b.shard_offset + b.shard_numel] for b in self.layout.buckets]
         return [self.flat[slice(*b.shard_range(self.shard_rank))] for b in self.layout.buckets]
 
     # --- backward ---------------------------------------------------------------------------
@@ -170,6 +181,7 @@ class GradBuckets:
             elif p.grad is not None:  # None: a zero-bubble B deferred this weight's dW to its W action
                 grad, p.grad = p.grad, None
                 self.accumulate(i, grad)
+
         return hook
 
     def accumulate(self, i: int, grad: torch.Tensor) -> None:
@@ -180,14 +192,16 @@ class GradBuckets:
         bucket = self.buckets[s.bucket]
         if self.as_views:
             if bucket.launched:
-                raise RuntimeError(f"data parallel: a gradient for parameter {i} arrived after its bucket was "
-                                   "all-reduced (zero 0/1): produce it before the last backward ends")
+                raise RuntimeError(
+                    f"data parallel: a gradient for parameter {i} arrived after its bucket was "
+                    "all-reduced (zero 0/1): produce it before the last backward ends"
+                )
             self._views[i].add_(grad)
         else:
             if bucket.in_flight:  # ZeRO 2/3 reducing every micro-batch
                 bucket.finish()
             start = s.start - bucket.spec.start
-            bucket.view()[start:start + s.numel].add_(grad.reshape(-1))
+            bucket.view()[start : start + s.numel].add_(grad.reshape(-1))
         self._arrived(i)
 
     def _arrived(self, i: int) -> None:

@@ -13,16 +13,16 @@
 `model` may also be a list of modules (a pipeline rank's virtual-stage chunks): they share
 one set of buckets and one optimizer. With dp = 1 every ZeRO stage is a no-op (runs as 0).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from threefold.distributed import comm
-
 from threefold.distributed.data_parallel.buckets import GradBuckets
 from threefold.distributed.data_parallel.layout import Segment, build_layout
 from threefold.distributed.data_parallel.params import FlatParams, ShardedParams, pack_bucket
@@ -35,10 +35,22 @@ MiB = 1 << 20
 
 
 class DataParallel:
-    def __init__(self, model: nn.Module | list[nn.Module], grid, *, zero: int = 0, bucket_mb: float = 25.0,
-                 precision: MixedPrecision | None = None, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, own_bucket: list[nn.Parameter] = (),
-                 group=None, only: Callable[[nn.Parameter], bool] | None = None, scaler: LossScaler | None = None):
+    def __init__(
+        self,
+        model: nn.Module | list[nn.Module],
+        grid,
+        *,
+        zero: int = 0,
+        bucket_mb: float = 25.0,
+        precision: MixedPrecision | None = None,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        own_bucket: list[nn.Parameter] = (),
+        group=None,
+        only: Callable[[nn.Parameter], bool] | None = None,
+        scaler: LossScaler | None = None,
+    ):
         """own_bucket: parameters laid out alone, so that all_reduce_grads_of can sum them with
         the same tensor on ranks whose other parameters differ (a tied embedding and its copy
         in the last pipeline stage, over grid.embed).
@@ -65,9 +77,14 @@ class DataParallel:
         params, groups, units = _ordered_params(self.chunks, self.zero, solo_ids, only)
         self.params = params
         shards = self.group.size if self.zero >= 1 else 1
-        self.layout = build_layout([tuple(p.shape) for p in params], bucket_mb * MiB,
-                                   torch.empty((), dtype=gdt).element_size(), shards, groups,
-                                   solo={i for i, p in enumerate(params) if id(p) in solo_ids})
+        self.layout = build_layout(
+            [tuple(p.shape) for p in params],
+            bucket_mb * MiB,
+            torch.empty((), dtype=gdt).element_size(),
+            shards,
+            groups,
+            solo={i for i, p in enumerate(params) if id(p) in solo_ids},
+        )
         rank = self.group.rank if shards > 1 else 0
         # fp32 master values come from the parameters as built, before any cast down.
         master_init = None
@@ -75,15 +92,25 @@ class DataParallel:
             master_init = []
             for b in self.layout.buckets:
                 lo, hi = b.shard_range(rank)
-                master_init.append(pack_bucket(params, self.layout, b.index, torch.float32)[lo - b.start:hi - b.start])
+                master_init.append(
+                    pack_bucket(params, self.layout, b.index, torch.float32)[lo - b.start : hi - b.start]
+                )
         if self.zero == 3:
             self.store = ShardedParams(params, self.layout, pdt, self.group)
         else:
             self.store = FlatParams(params, self.layout, pdt, rank)
-        self.grads = GradBuckets(params, self.layout, self.group, self.zero, gdt, params[0].device,
-                                 grads_as_views=(gdt == pdt and self.zero < 2))
-        self.optimizer = ZeroAdamW(self.layout, self.group, self.zero, self.store.owned(), master_init,
-                                   betas, eps, weight_decay)
+        self.grads = GradBuckets(
+            params,
+            self.layout,
+            self.group,
+            self.zero,
+            gdt,
+            params[0].device,
+            grads_as_views=(gdt == pdt and self.zero < 2),
+        )
+        self.optimizer = ZeroAdamW(
+            self.layout, self.group, self.zero, self.store.owned(), master_init, betas, eps, weight_decay
+        )
         self._handles = []
         if self.zero == 3:
             for chunk, blocks, root in units:
@@ -94,7 +121,7 @@ class DataParallel:
         self._norm_segments = self._tp_norm_segments()
 
     @property
-    def parts(self) -> list["DataParallel"]:
+    def parts(self) -> list[DataParallel]:
         """The engines behind this one (one here; an MoE model's ExpertDataParallel has two)."""
         return [self]
 
@@ -132,9 +159,16 @@ class DataParallel:
         """`layout.segments` over what _held() returns, offsets relative to those tensors."""
         if self.zero >= 2:
             return self.layout.segments(self._rank, key)
-        return [Segment(seg.bucket, seg.lo + r * self.layout.buckets[seg.bucket].shard_numel,
-                        seg.hi + r * self.layout.buckets[seg.bucket].shard_numel, seg.key)
-                for r in range(self.layout.shards) for seg in self.layout.segments(r, key)]
+        return [
+            Segment(
+                seg.bucket,
+                seg.lo + r * self.layout.buckets[seg.bucket].shard_numel,
+                seg.hi + r * self.layout.buckets[seg.bucket].shard_numel,
+                seg.key,
+            )
+            for r in range(self.layout.shards)
+            for seg in self.layout.segments(r, key)
+        ]
 
     def all_reduce_grads_of(self, params: list[nn.Parameter], group) -> None:
         """Sum the gradients of `params` over `group` (e.g. tensor parallelism's partial sums for
@@ -146,7 +180,7 @@ class DataParallel:
         chosen = {id(p) for p in params}
         index = [id(p) in chosen for p in self.params]
         held = self._held()
-        views = [held[s.bucket][s.lo:s.hi] for s in self._held_segments(lambda sl: index[sl.index]) if s.key]
+        views = [held[s.bucket][s.lo : s.hi] for s in self._held_segments(lambda sl: index[sl.index]) if s.key]
         if not views:
             return
         flat = comm.all_reduce(torch.cat(views), group)
@@ -182,7 +216,7 @@ class DataParallel:
         skip = {self._index[id(p)] for p in exclude}
         segs = [seg for seg in self._norm_segments if seg.key[1] not in skip]
         # One fused kernel for all pieces (fp32 accumulation for bf16/fp16 gradients).
-        views = [owned[seg.bucket][seg.lo:seg.hi] for seg in segs]
+        views = [owned[seg.bucket][seg.lo : seg.hi] for seg in segs]
         norms = torch._foreach_norm(views, 2, dtype=torch.float32) if views else []
         sq = torch.stack(norms).pow(2) if norms else torch.zeros(1, device=owned[0].device)
         keys = [seg.key[0] for seg in segs]
@@ -226,8 +260,11 @@ class DataParallel:
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """name -> a full copy of every parameter (ZeRO 3 gathers unit by unit: collective)."""
-        names = {id(p): (f"{c}." if len(self.chunks) > 1 else "") + n
-                 for c, chunk in enumerate(self.chunks) for n, p in chunk.named_parameters()}
+        names = {
+            id(p): (f"{c}." if len(self.chunks) > 1 else "") + n
+            for c, chunk in enumerate(self.chunks)
+            for n, p in chunk.named_parameters()
+        }
         out = {}
         for b in self.layout.buckets:
             if self.zero == 3:
@@ -274,8 +311,9 @@ def _ordered_params(chunks: list[nn.Module], zero: int, solo: set[int] = frozens
     seen: set[int] = set()
     per_chunk = []
     for chunk in chunks:
-        ps = [p for p in chunk.parameters()
-              if p.requires_grad and id(p) not in seen and (only is None or only(p))]  # tied: once
+        ps = [
+            p for p in chunk.parameters() if p.requires_grad and id(p) not in seen and (only is None or only(p))
+        ]  # tied: once
         seen.update(id(p) for p in ps)
         per_chunk.append(ps)
     if zero < 3:

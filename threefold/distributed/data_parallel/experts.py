@@ -9,6 +9,7 @@ scaler, one skip decision, one global gradient norm.
 
     engine = build_data_parallel(chunks, grid, zero=1, ...)   # DataParallel when there are no experts
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +19,6 @@ import torch
 from torch import nn
 
 from threefold.distributed import comm
-
 from threefold.distributed.data_parallel.engine import DataParallel
 from threefold.model.moe import expert_parameters
 
@@ -33,10 +33,10 @@ def build_data_parallel(chunks: list[nn.Module], grid, **kwargs):
 
 class ExpertDataParallel:
     def __init__(self, chunks: list[nn.Module], grid, expert_ids: set[int], own_bucket=(), **kwargs):
-        self.dense = DataParallel(chunks, grid, own_bucket=own_bucket, only=lambda p: id(p) not in expert_ids,
-                                  **kwargs)
-        self.experts = DataParallel(chunks, grid, group=grid.expert_dp, only=lambda p: id(p) in expert_ids,
-                                    scaler=self.dense.scaler, **kwargs)
+        self.dense = DataParallel(chunks, grid, own_bucket=own_bucket, only=lambda p: id(p) not in expert_ids, **kwargs)
+        self.experts = DataParallel(
+            chunks, grid, group=grid.expert_dp, only=lambda p: id(p) in expert_ids, scaler=self.dense.scaler, **kwargs
+        )
         self.parts = [self.dense, self.experts]
         self.scaler = self.dense.scaler
 

@@ -10,6 +10,7 @@ each rank exactly its slice, and the bucket's all-gather rebuilds it, with no re
 A rank's owned slices are stored back to back in its "shard space" (master weights, Adam
 moments, sharded gradients), offset `Bucket.shard_offset`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -103,8 +104,14 @@ def _pad(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def build_layout(shapes: list[tuple[int, ...]], bucket_bytes: float, elem_bytes: int, shards: int,
-                 groups: list[list[int]] | None = None, solo: set[int] = frozenset()) -> BucketLayout:
+def build_layout(
+    shapes: list[tuple[int, ...]],
+    bucket_bytes: float,
+    elem_bytes: int,
+    shards: int,
+    groups: list[list[int]] | None = None,
+    solo: set[int] = frozenset(),
+) -> BucketLayout:
     """Lay out parameters `shapes` (already in gradient-ready order) into buckets.
 
     Without `groups`, a bucket closes once it holds >= bucket_bytes of gradient (a larger

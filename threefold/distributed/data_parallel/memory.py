@@ -20,6 +20,7 @@ the point the formulas describe (ZeRO 2/3 drop their gradient shard at zero_grad
 set_to_none does). ZeRO 2/3's full-size gradient buckets and ZeRO 3's gathered units are
 transient and gone by then; their peak shows in the device's peak memory instead.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,16 +52,19 @@ class MemoryReport:
         return self.measured_total / self.predicted_total
 
     def table(self) -> str:
-        lines = [f"P = {self.numel:,} parameters, dp N = {self.dp}, zero {self.zero}: {self.formula}",
-                 f"{'':10} {'measured':>14} {'predicted':>14}"]
+        lines = [
+            f"P = {self.numel:,} parameters, dp N = {self.dp}, zero {self.zero}: {self.formula}",
+            f"{'':10} {'measured':>14} {'predicted':>14}",
+        ]
         for c in CATEGORIES:
             lines.append(f"{c:10} {self.measured[c]:>14,} {self.predicted[c]:>14,.0f}")
         lines.append(f"{'total':10} {self.measured_total:>14,} {self.predicted_total:>14,.0f}")
         return "\n".join(lines)
 
 
-def predict_memory(numel: int, dp: int, zero: int, param_dtype: torch.dtype = torch.float32,
-                   grad_dtype: torch.dtype | None = None) -> dict:
+def predict_memory(
+    numel: int, dp: int, zero: int, param_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None
+) -> dict:
     """Bytes per rank of params, grads, optimizer state (and the formula) for ZeRO `zero`."""
     kp = torch.empty((), dtype=param_dtype).element_size()
     kg = torch.empty((), dtype=grad_dtype or param_dtype).element_size()
@@ -100,7 +104,8 @@ def measure_memory(engine) -> MemoryReport:
     count("grads", [grads.flat, grads.shard, *grads.full])
     count("optimizer", engine.optimizer.tensors().values())
     numel = sum(s.numel for s in engine.layout.slots)
-    pred = predict_memory(numel, engine.group.size, engine.zero, engine.precision.param_dtype,
-                          engine.precision.grad_dtype)
+    pred = predict_memory(
+        numel, engine.group.size, engine.zero, engine.precision.param_dtype, engine.precision.grad_dtype
+    )
     formula = pred.pop("formula")
     return MemoryReport(numel, engine.group.size, engine.zero, measured, pred, formula)

@@ -13,6 +13,7 @@ embedding/head weight lives in both ends), so freeing it in between would gather
 Freeing resizes the unit's storage to zero bytes; the parameters stay views of it, so tensors
 autograd saved for backward see the data again once it is gathered back.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,7 +35,7 @@ def pack_bucket(params: list[torch.Tensor], layout: BucketLayout, b: int, dtype:
     flat = torch.zeros(bucket.numel, dtype=dtype, device=params[0].device)
     for i in bucket.slots:
         s = layout.slots[i]
-        flat[s.start - bucket.start:s.start - bucket.start + s.numel].copy_(params[i].detach().reshape(-1))
+        flat[s.start - bucket.start : s.start - bucket.start + s.numel].copy_(params[i].detach().reshape(-1))
     return flat
 
 
@@ -47,13 +48,13 @@ class FlatParams:
         with torch.no_grad():
             for i, p in enumerate(params):
                 s = layout.slots[i]
-                view = self.flat[s.start:s.start + s.numel]
+                view = self.flat[s.start : s.start + s.numel]
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view(s.shape)  # the parameter's old storage is released
 
     def bucket_view(self, b: int) -> torch.Tensor:
         bucket = self.layout.buckets[b]
-        return self.flat[bucket.start:bucket.start + bucket.numel]
+        return self.flat[bucket.start : bucket.start + bucket.numel]
 
     def owned(self) -> list[torch.Tensor]:
         """Per bucket, the slice of the flat buffer this rank's optimizer writes."""
@@ -72,10 +73,10 @@ class ShardedParams:
             for b in layout.buckets:
                 full = pack_bucket(params, layout, b.index, dtype)
                 lo, hi = b.shard_range(group.rank)
-                self.shard[b.shard_offset:b.shard_offset + b.shard_numel].copy_(full[lo - b.start:hi - b.start])
+                self.shard[b.shard_offset : b.shard_offset + b.shard_numel].copy_(full[lo - b.start : hi - b.start])
                 for i in b.slots:
                     s = layout.slots[i]
-                    params[i].data = full[s.start - b.start:s.start - b.start + s.numel].view(s.shape)
+                    params[i].data = full[s.start - b.start : s.start - b.start + s.numel].view(s.shape)
                 self.full.append(full)
                 self.state.append(READY)
                 self.free(b.index)
@@ -83,13 +84,13 @@ class ShardedParams:
         self.spans = None  # a span recorder (threefold.observe) timing that wait as dp_exposed, or None
 
     def owned(self) -> list[torch.Tensor]:
-        return [self.shard[b.shard_offset:b.shard_offset + b.shard_numel] for b in self.layout.buckets]
+        return [self.shard[b.shard_offset : b.shard_offset + b.shard_numel] for b in self.layout.buckets]
 
     # --- gather / free ------------------------------------------------------------------------
     def _launch(self, b: int) -> None:
         full, bucket = self.full[b], self.layout.buckets[b]
         full.untyped_storage().resize_(bucket.numel * full.element_size())
-        shard = self.shard[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]
+        shard = self.shard[bucket.shard_offset : bucket.shard_offset + bucket.shard_numel]
         self.state[b] = comm.all_gather_into(full, shard, self.group, async_op=True) or READY
 
     def prefetch(self, b: int | None) -> None:
@@ -142,8 +143,7 @@ class ShardedParams:
                 for b in root + order:
                     self.free(b)
 
-        handles = [model.register_forward_pre_hook(model_pre_forward),
-                   model.register_forward_hook(model_post_forward)]
+        handles = [model.register_forward_pre_hook(model_pre_forward), model.register_forward_hook(model_post_forward)]
         for k, (block, _) in enumerate(blocks):
             handles.append(block.register_forward_pre_hook(self._block_pre_forward(at, k)))
             handles.append(block.register_forward_hook(self._block_post_forward(at, k)))
@@ -153,6 +153,7 @@ class ShardedParams:
         def hook(module, args) -> None:
             self.ensure(at(k))
             self.prefetch(at(k + 1))
+
         return hook
 
     def _block_post_forward(self, at, k: int):
@@ -165,12 +166,14 @@ class ShardedParams:
                 # before the block's own backward runs.
                 torch.autograd.graph.register_multi_grad_hook(outs, self._pre_backward(at, k), mode="any")
             self.free(at(k))
+
         return hook
 
     def _pre_backward(self, at, k: int):
         def hook(grad) -> None:
             self.ensure(at(k))
             self.prefetch(at(k - 1))
+
         return hook
 
 

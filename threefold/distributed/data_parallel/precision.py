@@ -7,6 +7,7 @@ the ZeRO paper). fp16 has a narrow exponent range, so it needs loss scaling: the
 multiplied by a scale before backward, and a step whose gradients overflowed is skipped and
 the scale halved (Micikevicius et al., "Mixed Precision Training").
 """
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,7 @@ class MixedPrecision:
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype | None = None
     loss_scale: str | float | None = None
-    initial_scale: float = 2.0 ** 16
+    initial_scale: float = 2.0**16
     growth_interval: int = 1000  # good steps in a row before the dynamic scale doubles
 
     def __post_init__(self) -> None:
@@ -36,8 +37,11 @@ class MixedPrecision:
         if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES.values():
             raise ConfigError("train.grad_reduce_dtype", f"{self.reduce_dtype} is not supported", "fp32, bf16 or fp16")
         if self.param_dtype == torch.float16 and self.loss_scale is None:
-            raise ConfigError("train.loss_scale", "fp16 training without loss scaling underflows gradients",
-                              "set train.loss_scale dynamic (or a fixed power of two), or use bf16")
+            raise ConfigError(
+                "train.loss_scale",
+                "fp16 training without loss scaling underflows gradients",
+                "set train.loss_scale dynamic (or a fixed power of two), or use bf16",
+            )
         if isinstance(self.loss_scale, str) and self.loss_scale != "dynamic":
             raise ConfigError("train.loss_scale", f"{self.loss_scale!r} is not a scale", "dynamic or a number > 0")
         if isinstance(self.loss_scale, (int, float)) and not self.loss_scale > 0:
@@ -52,8 +56,14 @@ class MixedPrecision:
         return self.reduce_dtype or self.param_dtype
 
     @classmethod
-    def from_names(cls, dtype: str, reduce_dtype: str = "auto", loss_scale: str = "auto",
-                   initial_scale: float = 2.0 ** 16, growth_interval: int = 1000) -> "MixedPrecision":
+    def from_names(
+        cls,
+        dtype: str,
+        reduce_dtype: str = "auto",
+        loss_scale: str = "auto",
+        initial_scale: float = 2.0**16,
+        growth_interval: int = 1000,
+    ) -> MixedPrecision:
         """From config strings: dtype fp32|bf16|fp16; reduce_dtype auto|fp32|bf16|fp16;
         loss_scale auto (dynamic for fp16, none otherwise)|none|dynamic|<number>; a dynamic
         scale starts at `initial_scale` and doubles after `growth_interval` clean steps."""
@@ -71,10 +81,16 @@ class MixedPrecision:
             try:
                 scale = float(loss_scale)
             except ValueError:
-                raise ConfigError("train.loss_scale", f"{loss_scale!r} is not a scale",
-                                  "auto, none, dynamic or a number") from None
-        return cls(DTYPES[dtype], None if reduce_dtype == "auto" else DTYPES[reduce_dtype], scale,
-                   float(initial_scale), int(growth_interval))
+                raise ConfigError(
+                    "train.loss_scale", f"{loss_scale!r} is not a scale", "auto, none, dynamic or a number"
+                ) from None
+        return cls(
+            DTYPES[dtype],
+            None if reduce_dtype == "auto" else DTYPES[reduce_dtype],
+            scale,
+            float(initial_scale),
+            int(growth_interval),
+        )
 
 
 class LossScaler:

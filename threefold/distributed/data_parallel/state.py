@@ -6,6 +6,7 @@ run of elements is split into at most three rectangles: the rest of a first row,
 the start of a last row. The pieces are views of the fp32 master weights and Adam moments: a
 loader writes into them and then calls `refresh_params` to rebuild the working parameters.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ def owned_pieces(engine) -> list[Piece]:
             a, z = max(lo_b, s.start), min(hi_b, s.start + s.numel)
             for flo, fhi, offsets, shape in _rectangles(a - s.start, z - s.start, s.shape) if a < z else []:
                 at = s.start + flo - lo_b  # position inside this bucket's owned slice
-                views = {k: v[b.index][at:at + fhi - flo].view(shape) for k, v in kinds.items()}
+                views = {k: v[b.index][at : at + fhi - flo].view(shape) for k, v in kinds.items()}
                 out.append(Piece(engine.params[i], offsets, views))
     return out
 

@@ -11,6 +11,7 @@ ZeRO (Rajbhandari et al. 2020) stage by stage, with N = dp size:
 When the working parameters are fp32, the master weights *are* the owned parameter slices (no
 copy); otherwise a separate fp32 master is kept and copied down after each update.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,9 +23,17 @@ from threefold.distributed.data_parallel.layout import BucketLayout
 
 
 class ZeroAdamW:
-    def __init__(self, layout: BucketLayout, group: Group, zero: int, param_owned: list[torch.Tensor],
-                 master_init: list[torch.Tensor] | None, betas: tuple[float, float], eps: float,
-                 weight_decay: float):
+    def __init__(
+        self,
+        layout: BucketLayout,
+        group: Group,
+        zero: int,
+        param_owned: list[torch.Tensor],
+        master_init: list[torch.Tensor] | None,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+    ):
         """param_owned: per bucket, the working-dtype slice this rank updates. master_init:
         per bucket, fp32 values for a separate master (None: params are fp32, update them)."""
         self.layout, self.group, self.zero = layout, group, zero
@@ -42,11 +51,11 @@ class ZeroAdamW:
         self.exp_avg, self.exp_avg_sq = self._views(self.exp_avg_flat), self._views(self.exp_avg_sq_flat)
         # Weight decay per element range: the ndim >= 2 rule of param_groups, applied to the
         # parts of parameters that fall into this rank's slices.
-        self.decay_views = [self.master[s.bucket][s.lo:s.hi] for s in layout.segments(self.rank) if s.key]
+        self.decay_views = [self.master[s.bucket][s.lo : s.hi] for s in layout.segments(self.rank) if s.key]
         self.step_count = 0
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[b.shard_offset:b.shard_offset + b.shard_numel] for b in self.layout.buckets]
+        return [flat[b.shard_offset : b.shard_offset + b.shard_numel] for b in self.layout.buckets]
 
     def step(self, grads: list[torch.Tensor], lr: float, grad_scale: torch.Tensor | None) -> None:
         """AdamW on the owned slices with gradients `grads` (per bucket, reduced), multiplied
@@ -56,8 +65,18 @@ class ZeroAdamW:
         if grad_scale is not None:
             torch._foreach_mul_(grads, grad_scale)
         self.step_count += 1
-        adamw_update(self.master, grads, self.exp_avg, self.exp_avg_sq, self.decay_views, self.step_count,
-                     lr, self.betas, self.eps, self.weight_decay)
+        adamw_update(
+            self.master,
+            grads,
+            self.exp_avg,
+            self.exp_avg_sq,
+            self.decay_views,
+            self.step_count,
+            lr,
+            self.betas,
+            self.eps,
+            self.weight_decay,
+        )
         if self.master_flat is not None:
             torch._foreach_copy_(self.param_owned, self.master)  # round the fp32 master down
 
@@ -66,8 +85,10 @@ class ZeroAdamW:
         in place (each input is this rank's slice of the output)."""
         if self.group.size == 1:
             return
-        works = [comm.all_gather_into(full, owned, self.group, async_op=True)
-                 for full, owned in zip(param_bucket, self.param_owned)]
+        works = [
+            comm.all_gather_into(full, owned, self.group, async_op=True)
+            for full, owned in zip(param_bucket, self.param_owned)
+        ]
         for work in works:
             work.wait()
 
@@ -78,6 +99,12 @@ class ZeroAdamW:
 
     def state_dict(self) -> dict:
         master = self.master_flat if self.master_flat is not None else torch.cat(self.master)
-        return {"step": self.step_count, "master": master.clone(), "exp_avg": self.exp_avg_flat.clone(),
-                "exp_avg_sq": self.exp_avg_sq_flat.clone(), "zero": self.zero, "shards": self.layout.shards,
-                "rank": self.rank}
+        return {
+            "step": self.step_count,
+            "master": master.clone(),
+            "exp_avg": self.exp_avg_flat.clone(),
+            "exp_avg_sq": self.exp_avg_sq_flat.clone(),
+            "zero": self.zero,
+            "shards": self.layout.shards,
+            "rank": self.rank,
+        }

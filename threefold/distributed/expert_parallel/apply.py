@@ -4,6 +4,7 @@ through the all-to-all dispatcher. The expert weights declare their slice of the
 tensor in `shard_specs` over grid.ep, so the layout-invariant initializer, the checkpoint
 manifest and the gradient norm (each expert counted once over ep) treat them like any shard.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -24,8 +25,7 @@ def _shard_experts(experts: Experts, group, cfg: ModelConfig) -> Experts:
         if part is None:
             continue
         rows = part.out_features
-        part.shard_specs = {"weight": ShardSpec(0, first * rows, local * rows,
-                                                (experts.num * rows, part.in_features))}
+        part.shard_specs = {"weight": ShardSpec(0, first * rows, local * rows, (experts.num * rows, part.in_features))}
         part.shard_group = group
     return mine
 

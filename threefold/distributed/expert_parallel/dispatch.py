@@ -13,6 +13,7 @@ the count per expert. Experts are laid out contiguously (rank j holds experts
 Rows come back in the order they were sent, so the layer's weighted sum is the same
 arithmetic as with every expert local: losses do not depend on ep.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,9 @@ class AllToAllDispatcher:
         recv_counts = exchange_counts(send_counts, self.group)  # [source rank, local expert]
         send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         received = all_to_all(x, send, recv, self.group)
-        local_expert = torch.repeat_interleave(torch.arange(self.local, device=x.device).repeat(ep),
-                                               recv_counts.flatten())
+        local_expert = torch.repeat_interleave(
+            torch.arange(self.local, device=x.device).repeat(ep), recv_counts.flatten()
+        )
         order = torch.argsort(local_expert, stable=True)  # by expert, then source rank
         y = experts(received[order], recv_counts.sum(0))
         back = torch.empty_like(y).index_copy(0, order, y)  # rows in the order they arrived

@@ -2,6 +2,7 @@
 rows sent to rank j in forward come back from rank j as gradients in backward, so backward is
 the same exchange with the split sizes swapped. Splits are uneven (routing decides them).
 """
+
 from __future__ import annotations
 
 import torch

@@ -17,6 +17,7 @@ one-element all-reduce over the pipeline group), also timed as pp_bubble: the co
 the ranks that finish their schedule first, which would otherwise show up in whatever
 collective over the pipeline group came next (the gradient norm's).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -105,12 +106,19 @@ class _InFlight:
     """Send requests to wait on at the end of the step (gloo, without free_sent_outputs)."""
 
     def empty(self) -> bool:
-        return not (self.inputs or self.outputs or self.stand_ins or self.grads_from_next or self.grads_to_prev or self.held)
+        return not (
+            self.inputs or self.outputs or self.stand_ins or self.grads_from_next or self.grads_to_prev or self.held
+        )
 
 
 class PipelineExecutor:
-    def __init__(self, plan: StagePlan, actions: list[Action], weight_store: WeightGradStore | None = None,
-                 free_sent_outputs: bool = True):
+    def __init__(
+        self,
+        plan: StagePlan,
+        actions: list[Action],
+        weight_store: WeightGradStore | None = None,
+        free_sent_outputs: bool = True,
+    ):
         """`free_sent_outputs`: drop each stage output once its send completed, keeping only its
         graph for backward (one [seq, micro-batch, hidden] buffer less per micro-batch in flight)."""
         self.plan, self.steps, self.store = plan, group_batches(actions), weight_store
@@ -124,8 +132,15 @@ class PipelineExecutor:
                 last[a.chunk] = (a.kind, (a.microbatch, a.chunk))
         self.final_grad_actions = set(last.values())
 
-    def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_divisor: float,
-            autocast=contextlib.nullcontext, no_sync=None, spans=None, meter=None) -> tuple[torch.Tensor, PipelineStats]:
+    def run(
+        self,
+        microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+        loss_divisor: float,
+        autocast=contextlib.nullcontext,
+        no_sync=None,
+        spans=None,
+        meter=None,
+    ) -> tuple[torch.Tensor, PipelineStats]:
         """Run one step's schedule; returns the summed loss of the micro-batches whose last stage
         is here (zero elsewhere; backward runs on it divided by `loss_divisor`) and this rank's
         timing. `no_sync()`, when given, wraps every gradient-producing action but each chunk's

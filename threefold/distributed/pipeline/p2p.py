@@ -4,12 +4,12 @@ Shapes and dtypes are known ahead from the configuration (micro-batch, sequence 
 hidden), so no per-micro-batch shape handshake is needed: a receive allocates its buffer and
 posts (the executor batches the transfers with batch_isend_irecv).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-
 
 
 @dataclass(frozen=True)

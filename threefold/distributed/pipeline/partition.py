@@ -6,6 +6,7 @@ is simply rank s. The cut balances cost, not layer count: the first stage also p
 embedding and the last for the final norm, the vocabulary head and the loss, which for small
 models can be worth several layers.
 """
+
 from __future__ import annotations
 
 from threefold.config import ModelConfig
@@ -22,8 +23,9 @@ def stage_costs(cfg: ModelConfig) -> tuple[float, float, float]:
     return layer, embed, head
 
 
-def balanced_partition(num_layers: int, stages: int, layer_cost: float, first_extra: float,
-                       last_extra: float) -> list[int]:
+def balanced_partition(
+    num_layers: int, stages: int, layer_cost: float, first_extra: float, last_extra: float
+) -> list[int]:
     """Layer counts per stage (each >= 1) minimising the most expensive stage, then the next
     most expensive, and so on (so equal-cost layers split evenly)."""
     if stages > num_layers:
@@ -57,11 +59,15 @@ def parse_stage_layers(text: str, num_layers: int, stages: int) -> list[int]:
     try:
         counts = [int(x) for x in text.split(",")]
     except ValueError:
-        raise ConfigError("parallel.stage_layers", f"{text!r} is not a comma-separated list of integers",
-                          "e.g. 3,4,4,3") from None
+        raise ConfigError(
+            "parallel.stage_layers", f"{text!r} is not a comma-separated list of integers", "e.g. 3,4,4,3"
+        ) from None
     if len(counts) != stages or sum(counts) != num_layers or min(counts) < 1:
-        raise ConfigError("parallel.stage_layers", f"{text!r} must give {stages} positive counts summing to "
-                          f"model.layers ({num_layers})", "one count per pp*vpp virtual stage")
+        raise ConfigError(
+            "parallel.stage_layers",
+            f"{text!r} must give {stages} positive counts summing to model.layers ({num_layers})",
+            "one count per pp*vpp virtual stage",
+        )
     return counts
 
 

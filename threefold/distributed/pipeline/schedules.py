@@ -31,6 +31,7 @@ into the producer's batch at that time, the receive into the consumer's. Every r
 are then ordered by meeting time, which rules out deadlock for any real costs; in 1F1B this
 reproduces Megatron's send_forward_recv_backward / send_backward_recv_forward pairs.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_right
@@ -114,30 +115,41 @@ def group_batches(actions: list[Action]) -> list[Action | tuple[Action, ...]]:
 
 # ----------------------------------------------------------------------------- validation
 
+
 def check_args(name: str, p: int, m: int, v: int = 1) -> None:
     """Refuse an invalid (schedule, p, m, v) with one clear line (ScheduleError, a ValueError)."""
     if name not in SCHEDULES:
-        raise ScheduleError("parallel.schedule", f"{name!r} is not a pipeline schedule",
-                            f"valid: {', '.join(SCHEDULES)}")
+        raise ScheduleError(
+            "parallel.schedule", f"{name!r} is not a pipeline schedule", f"valid: {', '.join(SCHEDULES)}"
+        )
     for key, value in (("parallel.pp", p), ("parallel.microbatches", m), ("parallel.vpp", v)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(key, f"{value!r} must be a positive integer")
     if name != "interleaved" and v != 1:
-        raise ScheduleError("parallel.vpp", f"vpp={v} needs schedule=interleaved, {name} runs one chunk per rank",
-                            "set vpp=1 or schedule=interleaved")
+        raise ScheduleError(
+            "parallel.vpp",
+            f"vpp={v} needs schedule=interleaved, {name} runs one chunk per rank",
+            "set vpp=1 or schedule=interleaved",
+        )
     if name == "interleaved":
         if v < 2:
-            raise ScheduleError("parallel.vpp", f"schedule=interleaved needs vpp >= 2, got vpp={v}",
-                                "or use schedule=1f1b")
+            raise ScheduleError(
+                "parallel.vpp", f"schedule=interleaved needs vpp >= 2, got vpp={v}", "or use schedule=1f1b"
+            )
         if p < 2:
-            raise ScheduleError("parallel.pp", f"schedule=interleaved needs pp >= 2, got pp={p}",
-                                "one stage has no bubble to shrink")
+            raise ScheduleError(
+                "parallel.pp", f"schedule=interleaved needs pp >= 2, got pp={p}", "one stage has no bubble to shrink"
+            )
         if m % p:
-            raise ScheduleError("parallel.microbatches", f"schedule=interleaved needs microbatches to be a "
-                                f"multiple of pp={p}, got {m}", "or use schedule=1f1b")
+            raise ScheduleError(
+                "parallel.microbatches",
+                f"schedule=interleaved needs microbatches to be a multiple of pp={p}, got {m}",
+                "or use schedule=1f1b",
+            )
 
 
 # ----------------------------------------------------------------------------- schedules
+
 
 def gpipe(p: int, m: int) -> list[list[Action]]:
     """GPipe: every forward, then every backward (activations of all m micro-batches live)."""
@@ -184,7 +196,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> list[list[Action]]:
             order.append(Action("F", mb, chunk))
             mb, chunk = table[k]
             order.append(Action("B", mb, v - 1 - chunk))
-        order += [Action("B", mb, v - 1 - chunk) for mb, chunk in table[total - warmup:]]
+        order += [Action("B", mb, v - 1 - chunk) for mb, chunk in table[total - warmup :]]
         orders.append(order)
     return _with_comms(orders, p, v)
 
@@ -204,18 +216,13 @@ def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
         warmup = min(p - rank - 1, m)
         order: list[Action] = [Action("F", i) for i in range(warmup)]
         pending: deque[int] = deque()
-
-        def backward(i: int) -> None:
+        for i in range(m):
+            if i < m - warmup:
+                order.append(Action("F", warmup + i))
             order.append(Action("B", i))
             pending.append(i)
             if len(pending) > rank:
                 order.append(Action("W", pending.popleft()))
-
-        for i in range(m - warmup):
-            order.append(Action("F", warmup + i))
-            backward(i)
-        for i in range(m - warmup, m):
-            backward(i)
         order += [Action("W", i) for i in pending]
         orders.append(order)
     return _with_comms(orders, p, 1)
@@ -247,11 +254,14 @@ def format_schedule(actions_per_rank: list[list[Action]], comms: bool = True) ->
         rows.append(cells)
     widths = [max(len(row[k]) for row in rows if k < len(row)) for k in range(max(map(len, rows), default=0))]
     label = len(str(len(rows) - 1))
-    return "\n".join(f"rank {r:>{label}} | " + " ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
-                      for r, row in enumerate(rows))
+    return "\n".join(
+        f"rank {r:>{label}} | " + " ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+        for r, row in enumerate(rows)
+    )
 
 
 # ----------------------------------------------------------------------------- comm placement
+
 
 def _nominal_times(orders: list[list[Action]], p: int, v: int) -> list[list[tuple[int, int]]]:
     """(start, end) of each compute action when every rank runs its order as early as its data
@@ -268,8 +278,13 @@ def _nominal_times(orders: list[list[Action]], p: int, v: int) -> list[list[tupl
             while len(times[rank]) < len(order):
                 a = order[len(times[rank])]
                 s = virtual_stage(rank, a.chunk, p)
-                need = ("F", a.microbatch, s - 1) if a.kind == "F" and s > 0 else \
-                       ("B", a.microbatch, s + 1) if a.kind == "B" and s < last else None
+                need = (
+                    ("F", a.microbatch, s - 1)
+                    if a.kind == "F" and s > 0
+                    else ("B", a.microbatch, s + 1)
+                    if a.kind == "B" and s < last
+                    else None
+                )
                 if need is not None and need not in done:
                     break
                 start = max(clock[rank], done.get(need, 0))
@@ -286,9 +301,11 @@ def _nominal_times(orders: list[list[Action]], p: int, v: int) -> list[list[tupl
 def _meeting_time(times_a: list[tuple[int, int]], t_p: int, times_b: list[tuple[int, int]], t_c: int) -> int:
     """Earliest time in [t_p, t_c] at which both ranks stand between two computes; t_c (the
     consumer is about to start, the producer may wait) when there is none."""
+
     def idle(times: list[tuple[int, int]], t: int) -> bool:
         k = bisect_right([end for _, end in times], t)  # computes finished by t
         return k == len(times) or times[k][0] >= t
+
     candidates = sorted({t_p} | {end for times in (times_a, times_b) for _, end in times if t_p < end <= t_c})
     return next((t for t in candidates if idle(times_a, t) and idle(times_b, t)), t_c)
 
@@ -325,9 +342,11 @@ def _with_comms(orders: list[list[Action]], p: int, v: int) -> list[list[Action]
             t = _meeting_time(times[rank], times[rank][k][1], times[peer], times[peer][j][0])
             key = (t, direction, a.microbatch, s)
             slots[rank][bisect_right(slot_starts[rank], t) - 1].append(
-                (key, Action("SEND_" + direction, a.microbatch, a.chunk, peer)))
+                (key, Action("SEND_" + direction, a.microbatch, a.chunk, peer))
+            )
             slots[peer][bisect_right(slot_starts[peer], t) - 1].append(
-                (key, Action("RECV_" + direction, a.microbatch, peer_chunk, rank)))
+                (key, Action("RECV_" + direction, a.microbatch, peer_chunk, rank))
+            )
     out = []
     for rank, order in enumerate(orders):
         actions: list[Action] = []

@@ -21,6 +21,7 @@ schedule splits backward), since W keeps part of them.
 
 `check_schedule` asserts a schedule is complete, ordered, matched and deadlock-free.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -114,8 +115,14 @@ def _memory(acts: list[Action]) -> tuple[int, int]:
     return peak_inflight, peak_held
 
 
-def simulate(actions: list[list[Action]], f: float = 1.0, b: float = 2.0, w: float = 1.0,
-             latency: float = 0.0, sends: str = "eager") -> SimResult:
+def simulate(
+    actions: list[list[Action]],
+    f: float = 1.0,
+    b: float = 2.0,
+    w: float = 1.0,
+    latency: float = 0.0,
+    sends: str = "eager",
+) -> SimResult:
     """Execute per-rank action lists with durations f, b, w per chunk; raises DeadlockError."""
     if sends not in ("rendezvous", "eager"):
         raise ValueError(f"sends={sends!r} (valid: 'rendezvous', 'eager')")
@@ -151,8 +158,15 @@ def simulate(actions: list[list[Action]], f: float = 1.0, b: float = 2.0, w: flo
     busy = [sum(s.end - s.start for s in t if isinstance(s.step, Action)) for t in timelines]
     per_rank = [1.0 - x / makespan if makespan else 0.0 for x in busy]
     memory = [_memory(acts) for acts in actions]
-    return SimResult(timelines, makespan, busy, per_rank, sum(per_rank) / p if p else 0.0,
-                     [m[0] for m in memory], [m[1] for m in memory])
+    return SimResult(
+        timelines,
+        makespan,
+        busy,
+        per_rank,
+        sum(per_rank) / p if p else 0.0,
+        [m[0] for m in memory],
+        [m[1] for m in memory],
+    )
 
 
 def _batch_done(actions, r, step, partner, posted, now, latency, sends) -> float | None:
@@ -180,8 +194,9 @@ def _why(actions, steps, pc, partner, posted, r) -> str:
             return f"rank {r} waits at [{batch}]: {a} has no partner on rank {a.peer}"
         if other not in posted:
             o_rank, o_index = other
-            return (f"rank {r} waits at [{batch}] for rank {o_rank} to reach "
-                    f"{actions[o_rank][o_index]} (action {o_index})")
+            return (
+                f"rank {r} waits at [{batch}] for rank {o_rank} to reach {actions[o_rank][o_index]} (action {o_index})"
+            )
     return f"rank {r} waits at [{batch}]"
 
 
@@ -217,6 +232,7 @@ def bubble_theory(name: str, p: int, m: int, v: int = 1) -> float:
 
 # ----------------------------------------------------------------------------- checking
 
+
 def check_schedule(actions: list[list[Action]], p: int, m: int, v: int = 1) -> SimResult:
     """Assert that a schedule is complete (one F and one B, and one W if any, per micro-batch
     and virtual stage; the sends and receives its stage boundaries need and no others), ordered
@@ -236,29 +252,47 @@ def check_schedule(actions: list[list[Action]], p: int, m: int, v: int = 1) -> S
             where[(a.kind, a.microbatch, a.chunk)].append(i)
         for chunk in range(v):
             s = virtual_stage(rank, chunk, p)
-            expected = {"F": True, "B": True, "W": split,
-                        "RECV_F": s > 0, "SEND_F": s < last, "RECV_B": s < last, "SEND_B": s > 0}
+            expected = {
+                "F": True,
+                "B": True,
+                "W": split,
+                "RECV_F": s > 0,
+                "SEND_F": s < last,
+                "RECV_B": s < last,
+                "SEND_B": s > 0,
+            }
             for mb in range(m):
                 pos = {}
                 for kind, needed in expected.items():
                     found = where.pop((kind, mb, chunk), [])
-                    assert len(found) == needed, (f"rank {rank}: {kind}{mb}c{chunk} (stage {s}) appears "
-                                                  f"{len(found)} times, expected {int(needed)}")
+                    assert len(found) == needed, (
+                        f"rank {rank}: {kind}{mb}c{chunk} (stage {s}) appears "
+                        f"{len(found)} times, expected {int(needed)}"
+                    )
                     if found:
                         pos[kind] = found[0]
-                for before, after in (("F", "B"), ("B", "W"), ("RECV_F", "F"), ("F", "SEND_F"),
-                                      ("RECV_B", "B"), ("B", "SEND_B")):
+                for before, after in (
+                    ("F", "B"),
+                    ("B", "W"),
+                    ("RECV_F", "F"),
+                    ("F", "SEND_F"),
+                    ("RECV_B", "B"),
+                    ("B", "SEND_B"),
+                ):
                     if before in pos and after in pos:
-                        assert pos[before] < pos[after], (f"rank {rank}: {after}{mb}c{chunk} (action {pos[after]}) "
-                                                          f"comes before {before}{mb}c{chunk} (action {pos[before]})")
+                        assert pos[before] < pos[after], (
+                            f"rank {rank}: {after}{mb}c{chunk} (action {pos[after]}) "
+                            f"comes before {before}{mb}c{chunk} (action {pos[before]})"
+                        )
         assert not where, f"rank {rank}: unexpected actions " + ", ".join(f"{k}{mb}c{c}" for k, mb, c in where)
         for i, a in enumerate(acts):
             if a.is_comm:
                 s = virtual_stage(rank, a.chunk, p)
                 to = s + 1 if a.kind in ("SEND_F", "RECV_B") else s - 1
                 owner = stage_owner(to, p)[0]
-                assert a.peer == owner, (f"rank {rank} action {i}: {a} names peer {a.peer}, but stage {to} "
-                                         f"is on rank {owner}")
+                assert a.peer == owner, (
+                    f"rank {rank} action {i}: {a} names peer {a.peer}, but stage {to} is on rank {owner}"
+                )
     _check_pairs(actions, p)
     try:
         strict = simulate(actions, sends="rendezvous")
@@ -281,7 +315,8 @@ def _check_pairs(actions: list[list[Action]], p: int) -> None:
             step = 1 if a.kind == "SEND_F" else -1
             assert b.microbatch == a.microbatch and t == s + step, (
                 f"rank {rank} action {i}: {a} (stage {s}) pairs with {b} on rank {other[0]} "
-                f"(stage {t}): sends and receives on this channel come in different orders")
+                f"(stage {t}): sends and receives on this channel come in different orders"
+            )
     # NCCL matches by order per pair of ranks, without tags: directions must line up too.
     order: dict[tuple[int, int, str], list[str]] = defaultdict(list)
     for rank, acts in enumerate(actions):
@@ -292,8 +327,10 @@ def _check_pairs(actions: list[list[Action]], p: int) -> None:
     for (src, dst, side), seq in order.items():
         if side == "SEND":
             recv = order.get((src, dst, "RECV"), [])
-            assert seq == recv, (f"rank {src} -> rank {dst}: sends go {' '.join(seq)} but receives expect "
-                                 f"{' '.join(recv)}: an untagged transport would pair them wrongly")
+            assert seq == recv, (
+                f"rank {src} -> rank {dst}: sends go {' '.join(seq)} but receives expect "
+                f"{' '.join(recv)}: an untagged transport would pair them wrongly"
+            )
 
 
 def _check_dependencies(result: SimResult, p: int, v: int) -> None:
@@ -304,9 +341,19 @@ def _check_dependencies(result: SimResult, p: int, v: int) -> None:
                 span[(s.step.kind, s.step.microbatch, virtual_stage(rank, s.step.chunk, p))] = s
     last = p * v - 1
     for (kind, mb, s), x in span.items():
-        need = ("F", mb, s - 1) if kind == "F" and s > 0 else \
-               ("B", mb, s + 1) if kind == "B" and s < last else \
-               ("F", mb, s) if kind == "B" else ("B", mb, s) if kind == "W" else None
+        need = (
+            ("F", mb, s - 1)
+            if kind == "F" and s > 0
+            else ("B", mb, s + 1)
+            if kind == "B" and s < last
+            else ("F", mb, s)
+            if kind == "B"
+            else ("B", mb, s)
+            if kind == "W"
+            else None
+        )
         if need is not None:
-            assert span[need].end <= x.start, (f"{kind}{mb} on stage {s} starts at {x.start} before "
-                                               f"{need[0]}{mb} on stage {need[2]} ends at {span[need].end}")
+            assert span[need].end <= x.start, (
+                f"{kind}{mb} on stage {s} starts at {x.start} before "
+                f"{need[0]}{mb} on stage {need[2]} ends at {span[need].end}"
+            )

@@ -1,5 +1,6 @@
 """This rank's pipeline stage: its model chunks, its schedule, its executor, and the tied
 embedding that the first and last stages share."""
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,9 @@ from threefold.distributed.pipeline.schedules import build_schedule
 from threefold.distributed.pipeline.weight_grad import WeightGradStore, attach_weight_grad_store
 
 
-def build_stage(cfg: Config, grid: Grid, device: torch.device, build_chunk,
-                dtype: torch.dtype = torch.float32) -> tuple[list[nn.Module], PipelineExecutor]:
+def build_stage(
+    cfg: Config, grid: Grid, device: torch.device, build_chunk, dtype: torch.dtype = torch.float32
+) -> tuple[list[nn.Module], PipelineExecutor]:
     """`build_chunk(layer_ids, first, last)` builds one materialized, initialized chunk;
     activations cross stage boundaries in `dtype` (the parameters' dtype)."""
     p, v = cfg.parallel.pp, cfg.parallel.vpp
@@ -34,8 +36,9 @@ def build_stage(cfg: Config, grid: Grid, device: torch.device, build_chunk,
         store = WeightGradStore()
         attach_weight_grad_store(chunks, store)
     actions = build_schedule(cfg.parallel.schedule, p, m, v)[grid.pp_rank]
-    executor = PipelineExecutor(StagePlan(chunks, first, last, wire, grid.pp), actions, store,
-                                free_sent_outputs=cfg.parallel.free_sent_outputs)
+    executor = PipelineExecutor(
+        StagePlan(chunks, first, last, wire, grid.pp), actions, store, free_sent_outputs=cfg.parallel.free_sent_outputs
+    )
     return chunks, executor
 
 

@@ -5,6 +5,7 @@ a linear layer's dX and dW each cost one forward) without using a CPU core, so p
 machine with fewer cores still run the way p devices would. Bubble measurements against the
 (p-1)/(m+p-1) family of formulas need exactly that: equal stage costs and no contention.
 """
+
 from __future__ import annotations
 
 import time

@@ -8,10 +8,11 @@ key; the W action with the same key runs the queue and accumulates into `weight.
 Everything else (norms, embeddings, biases) keeps computing its gradient inside B: they are
 cheap, and the linear layers carry nearly all of the weight-gradient FLOPs.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,7 @@ class _DeferrableLinear(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:  # a frozen weight: no dW at all
             return grad_x, None, grad_bias, None
         if ctx.store.deferring:
+
             def weight_grad(g2=g2, x2=x2, weight=weight, store=ctx.store):
                 with torch.no_grad():
                     store.accumulate(weight, g2.t().matmul(x2.to(g2.dtype)).to(weight.dtype))

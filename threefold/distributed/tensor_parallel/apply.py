@@ -19,20 +19,29 @@ own. Parameter names stay those of the plain model, so initialization and checkp
 depend on the layout. GQA: with kv_heads >= tp the kv heads are split like the query heads;
 with kv_heads < tp every rank keeps wk/wv whole and uses the kv head serving its query heads.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from functools import partial
-from typing import Callable
 
 from torch import nn
 
 from threefold.distributed.grid import Grid, Group
-from threefold.distributed.tensor_parallel.layers import (ColumnParallelLinear, HeadSliceLinear, RowParallelLinear,
-                                                           VocabParallelEmbedding, vocab_parallel_cross_entropy)
-from threefold.distributed.tensor_parallel.mappings import (all_gather_dim0, gather_to_replicated,
-                                                             scatter_to_sequence_region)
+from threefold.distributed.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    HeadSliceLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from threefold.distributed.tensor_parallel.mappings import (
+    all_gather_dim0,
+    gather_to_replicated,
+    scatter_to_sequence_region,
+)
 from threefold.distributed.tensor_parallel.region import enter
 from threefold.model.moe import MoE
 
@@ -70,13 +79,15 @@ class EnterRegion:
 
 # --- styles ------------------------------------------------------------------------------------
 
+
 def entry(module: nn.Module, ctx: PlanContext) -> None:
     module.register_forward_pre_hook(EnterRegion(ctx.tp, ctx.sp, ctx.overlap))
 
 
 def column(linear: nn.Linear, ctx: PlanContext) -> ColumnParallelLinear:
-    return ColumnParallelLinear(linear.in_features, linear.out_features, ctx.tp, bias=linear.bias is not None,
-                                sp=ctx.sp, enter=False)
+    return ColumnParallelLinear(
+        linear.in_features, linear.out_features, ctx.tp, bias=linear.bias is not None, sp=ctx.sp, enter=False
+    )
 
 
 def row(linear: nn.Linear, ctx: PlanContext) -> RowParallelLinear:
@@ -188,8 +199,7 @@ def apply_plan(model: nn.Module, plan, ctx: PlanContext) -> nn.Module:
     return model
 
 
-def apply_tensor_parallel(model: nn.Module, grid: Grid, sp: bool, overlap: bool = True,
-                          plan=TP_PLAN) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, grid: Grid, sp: bool, overlap: bool = True, plan=TP_PLAN) -> nn.Module:
     """Swap `model`'s layers for tensor-parallel ones over grid.tp by `plan` (call on the meta
     device, before materializing). `overlap`: the projections' dW matmuls run while their input
     gradient is all-reduced (reduce-scattered under SP). A no-op when tp is 1."""

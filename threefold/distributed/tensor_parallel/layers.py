@@ -6,6 +6,7 @@ counts every logical element once. Parameters that every rank holds but whose gr
 per-rank partial sum (norm weights under SP, replicated GQA kv projections, row-parallel
 biases under SP) are listed in `tp_sum_grads`; distributed/finalize.py sums them after backward.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,8 +42,17 @@ class ColumnParallelLinear(nn.Module):
 
     weight_grad_store = None
 
-    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = False,
-                 sp: bool = False, enter: bool = True, overlap: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Group,
+        *,
+        bias: bool = False,
+        sp: bool = False,
+        enter: bool = True,
+        overlap: bool = False,
+    ):
         super().__init__()
         self.group, self.sp, self.enter, self.overlap = group, sp, enter, overlap
         self.in_features, self.out_features = in_features, out_features

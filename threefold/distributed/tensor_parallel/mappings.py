@@ -15,7 +15,13 @@ backward of the other):
 
 Activations are [seq, batch, ...], so "seq" is dimension 0 and every buffer is contiguous.
 A group of size 1 makes every function the identity (and records nothing).
+
+threefold's own column-parallel layers enter the region through `region.enter`: the first or
+the third pair, whose backward also runs the layers' deferred weight-gradient matmuls while its
+collective is in flight (parallel.tp_comm_overlap). The two pairs stay here for code that
+enters the region without such layers.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,6 +48,7 @@ def all_gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 # --- conjugate autograd pairs ----------------------------------------------------------------
+
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod

@@ -16,6 +16,7 @@ gathered input, and backward gathers it once more for the dW matmuls (Korthikant
 2022, sec. 4.2.2: one extra all-gather in backward instead of s rows kept per layer). With
 overlap that all-gather starts in the first projection's backward, before its dX matmul.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,9 @@ class Region:
     def start_gather(self, shard: torch.Tensor) -> None:
         """Under SP: start gathering the input for the dW matmuls (once per region)."""
         if self.full is None:
-            self.full = torch.empty((shard.shape[0] * self.group.size, *shard.shape[1:]), dtype=shard.dtype,
-                                    device=shard.device)
+            self.full = torch.empty(
+                (shard.shape[0] * self.group.size, *shard.shape[1:]), dtype=shard.dtype, device=shard.device
+            )
             self._gather = comm.all_gather_into(self.full, shard.contiguous(), self.group, async_op=True)
 
     def wait_gather(self) -> torch.Tensor:
@@ -99,8 +101,9 @@ class _Enter(torch.autograd.Function):
         return (out, None, *weight_grads)
 
 
-def enter(x: torch.Tensor, group: Group, sp: bool, overlap: bool = False,
-          weights: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+def enter(
+    x: torch.Tensor, group: Group, sp: bool, overlap: bool = False, weights: tuple[torch.Tensor, ...] = ()
+) -> torch.Tensor:
     """The input of column-parallel layers entering the region (identity or all-gather forward;
     all-reduce or reduce-scatter of its gradient backward). `weights`: the projections that read
     it, whose dW may be deferred to run during that collective (`overlap`). The entered tensor
