@@ -26,6 +26,20 @@ from threefold.distributed.comm import CommStats, Group  # noqa: F401 - the grid
 from threefold.errors import ConfigError
 
 ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
+# Each named group: the ranks that differ only in these tokens ('dp' alone = edp). The full
+# data-parallel group varies ep and edp. Replicas of one expert shard ("expert_dp"): experts are
+# whole on every TP rank (which split the tokens), so their gradients are summed over tp and edp
+# in one collective. "embed" (first and last stage of each pipeline: they share tied embeddings)
+# is derived from "pp".
+GROUP_DIMS: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",),
+    "pp": ("pp",),
+    "dp": ("ep", "dp"),
+    "cp": ("cp",),
+    "ep": ("ep",),
+    "edp": ("dp",),
+    "expert_dp": ("tp", "cp", "dp"),
+}
 
 
 @dataclass(frozen=True)
@@ -91,28 +105,35 @@ class RankLayout:
         out = []
         for base in itertools.product(*(range(sizes[t]) for t in fixed)):
             start = sum(c * strides[t] for t, c in zip(fixed, base))
-            ranks = [
-                start + sum(c * strides[t] for t, c in zip(varying, combo))
-                for combo in itertools.product(*(range(sizes[t]) for t in varying))
-            ]
-            out.append(sorted(ranks))
+            out.append(self._members(start, varying))
         return sorted(out)
 
-    # Named groups, each a list of rank lists. The full data-parallel group varies ep and edp.
+    def group_of(self, rank: int, varying: tuple[str, ...]) -> list[int]:
+        """The one group of `groups(varying)` that holds `rank`, in O(its size) (not O(world))."""
+        strides = self._strides
+        start = rank - sum((rank // strides[t]) % self._sizes[t] * strides[t] for t in varying)
+        return self._members(start, varying)
+
+    def _members(self, start: int, varying: tuple[str, ...]) -> list[int]:
+        sizes, strides = self._sizes, self._strides
+        return sorted(
+            start + sum(c * strides[t] for t, c in zip(varying, combo))
+            for combo in itertools.product(*(range(sizes[t]) for t in varying))
+        )
+
+    def groups_of(self, rank: int) -> dict[str, list[int]]:
+        """This rank's group of every name (GROUP_DIMS, and "embed" on the first and last stages)."""
+        out = {name: self.group_of(rank, dims) for name, dims in GROUP_DIMS.items()}
+        pipeline = out["pp"]
+        if rank in (pipeline[0], pipeline[-1]):
+            out["embed"] = sorted({pipeline[0], pipeline[-1]})
+        return out
+
     def group_lists(self) -> dict[str, list[list[int]]]:
-        return {
-            "tp": self.groups(("tp",)),
-            "pp": self.groups(("pp",)),
-            "dp": self.groups(("ep", "dp")),
-            "cp": self.groups(("cp",)),
-            "ep": self.groups(("ep",)),
-            "edp": self.groups(("dp",)),
-            # Replicas of one expert shard: experts are whole on every TP rank (which split
-            # the tokens), so their gradients are summed over tp and edp in one collective.
-            "expert_dp": self.groups(("tp", "cp", "dp")),
-            # First and last pipeline stage of each pipeline: they share tied embeddings.
-            "embed": sorted(sorted({g[0], g[-1]}) for g in self.groups(("pp",))),
-        }
+        """Every group of every name, as lists of rank lists (O(world): tests and run records)."""
+        out = {name: self.groups(dims) for name, dims in GROUP_DIMS.items()}
+        out["embed"] = sorted(sorted({g[0], g[-1]}) for g in out["pp"])
+        return out
 
     def check_placement(self, devices_per_node: int, allow_tp_across_nodes: bool) -> None:
         """Refuse a layout whose tensor-parallel groups leave the fast intra-node links."""
@@ -130,6 +151,25 @@ class RankLayout:
 
 # The span category a group's collectives are timed as (when log.spans attaches a recorder).
 SPAN_CATEGORY = {"tp": "tp_comm", "ep": "ep_a2a"}
+
+
+def _communicators(layout: RankLayout, rank: int, world: int, timeout: timedelta | None) -> dict[tuple, object]:
+    """One communicator per distinct group of two or more ranks, keyed by its ranks: a group of
+    one needs none, and names with the same members (dp and edp without ep, pp and embed at pp 2,
+    ...) share one. `new_group` is collective over the whole job, so every rank creates every such
+    group, in one order (by name, then rank list); it keeps the handles of its own."""
+    made: dict[tuple, object] = {tuple(range(world)): comm.world_handle()}
+    seen = set(made)
+    for lists in layout.group_lists().values():
+        for ranks in lists:
+            key = tuple(ranks)
+            if len(ranks) == 1 or key in seen:
+                continue
+            seen.add(key)
+            pg = comm.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                made[key] = pg
+    return made
 
 
 class Grid:
@@ -172,12 +212,10 @@ class Grid:
                 "make the product of degrees equal the number of processes",
             )
         groups: dict[str, Group] = {"world": Group("world", list(range(world)), comm.world_handle(), device=device)}
-        for name, lists in layout.group_lists().items():
-            for ranks in lists:
-                # new_group is collective over the whole world: every rank creates every group.
-                pg = comm.new_group(ranks, timeout=timeout) if len(ranks) < world else comm.world_handle()
-                if rank in ranks:
-                    groups[name] = Group(name, ranks, pg, device=device, span_category=SPAN_CATEGORY.get(name, "sync"))
+        made = _communicators(layout, rank, world, timeout)
+        for name, ranks in layout.groups_of(rank).items():
+            pg = made.get(tuple(ranks))  # None for a group of this rank alone
+            groups[name] = Group(name, ranks, pg, device=device, span_category=SPAN_CATEGORY.get(name, "sync"))
         return cls(layout, rank, groups)
 
     @property
