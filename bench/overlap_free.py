@@ -51,8 +51,12 @@ def stage0_activations(args: list[str], free: bool) -> dict:
 
 
 def output_bytes(args: list[str]) -> int:
-    """One micro-batch's stage output: [seq, micro-batch, hidden] in fp32 (the tiny preset)."""
-    return 128 * int(args[args.index("--train.micro_batch") + 1]) * 128 * 4
+    """One micro-batch's stage output: [seq, micro-batch, hidden] in fp32, from the run's config."""
+    from threefold.config import build_config
+
+    m = build_config(None, [(k.removeprefix("--"), v) for k, v in zip(args[::2], args[1::2], strict=True)]).model
+    micro = int(args[args.index("--train.micro_batch") + 1])
+    return m.seq_len * micro * m.hidden * 4
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -211,7 +211,7 @@ class PipelineExecutor:
 
     def _exchange(self, batch, state: _InFlight, stats: PipelineStats, span=_untimed) -> None:
         with span("pp_p2p", batch):
-            works, sent, received = self._post(batch, state, stats)
+            works, received = self._post(batch, state, stats)
         t0 = time.perf_counter()
         with span("pp_bubble", batch):
             if len(works) != len(batch) or self.free_sent_outputs:
@@ -227,7 +227,6 @@ class PipelineExecutor:
                         work.wait()
                     else:
                         state.sends.append(work)
-        del sent  # the freed outputs' meter tokens: released with their send requests
         stats.recv_wait_s += time.perf_counter() - t0
         for kind, key, tensor in received:
             if kind == "RECV_F":
@@ -236,18 +235,18 @@ class PipelineExecutor:
                 state.grads_from_next[key] = tensor
 
     def _post(self, batch, state: _InFlight, stats: PipelineStats):
-        """Post one batch of sends and receives; returns (requests, the meter token of each op
-        (None but for a freed output), [(kind, key, buffer)] received)."""
-        plan, ops, sent, received = self.plan, [], [], []
+        """Post one batch of sends and receives; returns (requests, [(kind, key, buffer)] received)."""
+        plan, ops, received = self.plan, [], []
         for a in batch:
-            key, token = (a.microbatch, a.chunk), None
+            key = (a.microbatch, a.chunk)
             if a.kind == "SEND_F":
                 tensor = state.outputs[key].detach().contiguous()
                 if self.free_sent_outputs:
-                    # The send request keeps the buffer alive until it completes; after that only
-                    # the graph remains (and the meter's token travels with the request).
+                    # The send request keeps the buffer alive until the batch waits on it, before the
+                    # next compute action; after that only the graph remains. Nothing is saved in
+                    # between, so the meter may stop counting the output now.
                     state.stand_ins[key] = _SentOutput.apply(state.outputs.pop(key))
-                    token = state.held.pop(key, None)
+                    state.held.pop(key, None)
             elif a.kind == "SEND_B":
                 tensor = state.grads_to_prev.pop(key).contiguous()
             else:
@@ -256,5 +255,4 @@ class PipelineExecutor:
             if a.kind.startswith("SEND"):
                 stats.sent_bytes += comm.nbytes(tensor)
             ops.append(("send" if a.kind.startswith("SEND") else "recv", tensor, a.peer))
-            sent.append(token)
-        return comm.batch_send_recv(ops, plan.group), sent, received
+        return comm.batch_send_recv(ops, plan.group), received
