@@ -17,14 +17,19 @@ Checks (value <= tolerance passes), each on the device against fp32 on the CPU:
   train fp32                   threefold train (dp = tp = pp = 1, tiny model, 3 steps): max |loss diff|
   train bf16 + fp32 master     the same in bf16 parameters with fp32 master weights
   recompute selective / full   vs no recompute on the same device (fp32)
-Performance: threefold train in bf16 (fp32 master weights) on the model the device's memory
-allows (gpt-1.3b preset at >= 60 GiB), median step time over the steps after warm-up, MFU
-against the device's dense bf16 peak (threefold.observe peak table); the plain loop trains
-the same model and batches with fp32 parameters under torch.autocast(bf16), AdamW (fused on
-CUDA, foreach on CPU) and clip_grad_norm_(foreach=True), the usual PyTorch recipe; both run
-the same steps and drop the same warm-up steps. TF32 stays off for the fp32 checks.
+  train.compile vs eager       the same tiny run with each block torch.compiled (fp32)
+Performance: threefold train in bf16 (fp32 master weights, fp32 gradients: the defaults) on
+the model the device's memory allows (gpt-1.3b preset at >= 60 GiB, its paper's learning-rate
+schedule), with train.compile (each block compiled), median step time over the steps after
+warm-up, MFU against the device's dense bf16 peak (threefold.observe peak table); the plain
+loop trains the same model and batches, torch.compile'd whole, with fp32 parameters under
+torch.autocast(bf16), F.cross_entropy, AdamW (fused on CUDA, foreach on CPU) and
+clip_grad_norm_(foreach=True), the usual PyTorch recipe; both run the same steps and drop the
+same warm-up steps (which include the compilation). --eager runs both without compiling.
+Memory: the threefold run's peak allocated bytes next to `threefold memory`'s measured and
+predicted totals for the same configuration (one eager step). TF32 stays off for the checks.
 Prints the table last, writes JSON; exits 1 if a check fails, 2 without a CUDA device.
-Budget: about 5 minutes on an H100/H200-class GPU.
+Budget: about 6 minutes on an H100/H200-class GPU (one call, under 8).
 """
 
 from __future__ import annotations
@@ -76,11 +81,11 @@ def make_cfg(overrides: dict, device: str, dtype: str, steps: int, log_dir: str,
     from threefold.validate import validate
 
     pairs = {
+        **({"train.warmup_steps": 1} if overrides.get("model.preset") == "tiny" else {}),  # presets: their paper's
         **overrides,
         "train.device": device,
         "train.dtype": dtype,
         "train.steps": steps,
-        "train.warmup_steps": 1,
         "log.dir": log_dir,
         "log.quiet": "true",
         "data.cache_dir": cache_dir,
@@ -238,6 +243,8 @@ def training_checks(device: str, cache_dir: str) -> list[dict]:
     for mode in ("selective", "full"):
         got = train_metrics(TINY, device, "fp32", 3, cache_dir, **{"train.recompute": mode})
         rows.append(check(f"recompute {mode} vs none", max_loss_diff(got, fp32), 1e-5))
+    compiled = train_metrics(TINY, device, "fp32", 3, cache_dir, **{"train.compile": "true"})
+    rows.append(check("train.compile vs eager (fp32)", max_loss_diff(compiled, fp32), 1e-5))
     return rows
 
 
@@ -246,9 +253,17 @@ def plain_optimizer_flags(device_type: str) -> dict:
     return {"fused": True} if device_type == "cuda" else {"foreach": True}
 
 
-def plain_loop(overrides: dict, device: str, steps: int, cache_dir: str) -> list[float]:
-    """The usual PyTorch recipe on the same model and batches: fp32 parameters, autocast bf16,
-    AdamW (fused on CUDA, foreach on CPU), foreach clipping; step times with the device synchronized."""
+def plain_cross_entropy(logits, targets):
+    """The usual recipe's loss: every logit upcast at once (threefold's loss chunks the tokens)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+
+
+def plain_loop(overrides: dict, device: str, steps: int, cache_dir: str, compiled: bool = True) -> list[float]:
+    """The usual PyTorch recipe on the same model and batches: the model torch.compile'd whole
+    (`compiled`), fp32 parameters, autocast bf16, AdamW (fused on CUDA, foreach on CPU), foreach
+    clipping; step times with the device synchronized."""
     import torch
 
     from threefold.data import GlobalBatchSampler, load_tokens
@@ -259,6 +274,8 @@ def plain_loop(overrides: dict, device: str, steps: int, cache_dir: str) -> list
     m, t = cfg.model, cfg.train
     dev = torch.device(device)
     model = plain_model(m, t.seed, dev)  # tied like build_model's (gpt presets)
+    model.loss_fn = plain_cross_entropy
+    run = torch.compile(model) if compiled else model
     fused = plain_optimizer_flags(dev.type)
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, **fused)
     tokens = load_tokens(cfg.data.path, cfg.data.vocab, cfg.data.dtype, cfg.data.cache_dir).tokens
@@ -268,28 +285,55 @@ def plain_loop(overrides: dict, device: str, steps: int, cache_dir: str) -> list
         t0 = time.perf_counter()
         for x, y in sampler.microbatches(tokens, step, 0, 1, t.micro_batch):
             with torch.autocast(dev.type, dtype=torch.bfloat16):
-                loss = model(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)) / n_tokens
+                loss = run(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)) / n_tokens
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()  # synchronizes, as threefold's step does when it reads the loss
         times.append(time.perf_counter() - t0)
-    del model, opt
+    del model, run, opt
     return times
 
 
-def performance(device: str, label: str, overrides: dict, steps: int, cache_dir: str) -> dict:
+def memory_figures(overrides: dict, device: str, cache_dir: str, peak_bytes: float) -> dict:
+    """`threefold memory` for the same configuration (one eager step, in this process): its
+    measured and predicted totals (parameters, gradients, optimizer state, activations) next to
+    the training run's peak allocated bytes, which also hold transient buffers (gradient
+    buckets, the logits' gradient, workspaces)."""
+    from threefold.train.worker import run_worker
+
+    with tempfile.TemporaryDirectory() as log_dir:
+        row = run_worker(make_cfg(overrides, device, "bf16", 1, log_dir, cache_dir).to_dict(), True)[0]
+    measured = sum(v for v in row["measured"].values() if v is not None)
+    predicted = sum(v for v in row["predicted"].values() if v is not None)
+    return {
+        "train_peak_bytes": peak_bytes,
+        "memory_measured_bytes": measured,
+        "memory_predicted_bytes": predicted,
+        "peak_over_predicted": peak_bytes / predicted if predicted else None,
+    }
+
+
+def release(device: str) -> None:
+    import torch
+
+    gc.collect()  # one contestant's memory goes back before the next allocates its own
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def performance(device: str, label: str, overrides: dict, steps: int, cache_dir: str, compiled: bool = True) -> dict:
     import torch
 
     from threefold.observe import device_peak_flops, train_flops_per_token
 
     warm = min(2, steps - 1)
-    metrics = train_metrics(overrides, device, "bf16", steps, cache_dir)
-    gc.collect()  # the threefold model's memory goes back before the plain loop allocates its own
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    plain = plain_loop(overrides, device, steps, cache_dir)[warm:]
+    metrics = train_metrics(overrides, device, "bf16", steps, cache_dir, **{"train.compile": str(compiled).lower()})
+    release(device)
+    memory = memory_figures(overrides, device, cache_dir, max(r.get("peak_mem_bytes", 0) for r in metrics))
+    release(device)
+    plain = plain_loop(overrides, device, steps, cache_dir, compiled)[warm:]
     cfg = make_cfg(overrides, device, "bf16", steps, "", cache_dir)
     tokens = cfg.train.global_batch * cfg.model.seq_len
     flops = train_flops_per_token(cfg.model, cfg.model.seq_len) * tokens
@@ -314,6 +358,8 @@ def performance(device: str, label: str, overrides: dict, steps: int, cache_dir:
         "warmup": warm,
         "plain_optimizer": ", ".join(f"{k}={v}" for k, v in plain_optimizer_flags(device).items()),
         "final_loss": metrics[-1]["loss"],
+        "compiled": compiled,
+        "memory": memory,
     }
 
 
@@ -333,6 +379,7 @@ def table(checks: list[dict], perf: dict | None) -> str:
         lines.append(f"\nperformance ({perf['model']}) failed: {perf['error']}")
     elif perf:
         pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+        compiled = perf.get("compiled", False)
         lines += [
             "",
             f"{perf['model']} in bf16 (fp32 master weights), {perf['tokens_per_step']:,} tokens per step, "
@@ -349,14 +396,23 @@ def table(checks: list[dict], perf: dict | None) -> str:
             "Contestants:",
             "",
             "- threefold: `threefold train`'s worker (dp = tp = pp = 1), bf16 parameters with fp32 master "
-            "weights, the DataParallel engine's AdamW (torch's foreach arithmetic), clipping at grad_clip.",
-            "- plain PyTorch: fp32 parameters under torch.autocast(bf16), "
-            f"AdamW({perf.get('plain_optimizer', '')}), clip_grad_norm_(foreach=True), "
-            "zero_grad(set_to_none=True).",
+            "weights and fp32 gradients, the DataParallel engine's AdamW (torch's foreach arithmetic), "
+            f"clipping at grad_clip, the chunked loss{', train.compile (each block)' if compiled else ''}.",
+            f"- plain PyTorch: {'the model torch.compile-d whole, ' if compiled else ''}fp32 parameters under "
+            f"torch.autocast(bf16), F.cross_entropy, AdamW({perf.get('plain_optimizer', '')}), "
+            "clip_grad_norm_(foreach=True), zero_grad(set_to_none=True).",
             f"- Both: the same model, init and batches, {perf['steps']} steps, the first {perf['warmup']} "
             "dropped, the device synchronized at each step's end.",
             f"\nthreefold / plain step time: {perf['ratio']:.3f}",
         ]
+        mem = perf.get("memory") or {}
+        if mem.get("memory_predicted_bytes"):
+            lines.append(
+                f"threefold peak allocated {mem['train_peak_bytes'] / GIB:.2f} GiB; `threefold memory`: "
+                f"measured {mem['memory_measured_bytes'] / GIB:.2f} GiB, "
+                f"predicted {mem['memory_predicted_bytes'] / GIB:.2f} GiB "
+                f"(peak / predicted {mem['peak_over_predicted']:.2f})"
+            )
     return "\n".join(lines)
 
 
@@ -367,6 +423,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="training steps of each performance contestant")
     ap.add_argument("--json", help=f"where to write the results (default: {DEFAULT_JSON} in the checkout)")
     ap.add_argument("--skip-perf", action="store_true", help="correctness checks only")
+    ap.add_argument("--eager", action="store_true", help="performance without torch.compile on either side")
     args = ap.parse_args(argv)
     import torch
 
@@ -394,7 +451,7 @@ def main(argv=None) -> int:
         if not args.skip_perf:
             label, overrides = pick_model(memory, args.tiny)
             try:
-                perf = performance(args.device, label, overrides, args.steps, cache_dir)
+                perf = performance(args.device, label, overrides, args.steps, cache_dir, not args.eager)
             except RuntimeError as err:  # e.g. out of memory: keep the checks, report the failure
                 perf = {"model": label, "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"}
     result = {

@@ -80,6 +80,8 @@ def run_layout(out: Path, name: str, dp: int, tp: int, pp: int, args) -> tuple[s
         "0",
         "--log.spans",
         "true" if args.spans else "false",
+        "--log.interval",
+        "1",  # a spans.jsonl line per step: each one an equation
     ]
     if args.seq_len:
         cmd += ["--model.seq_len", str(args.seq_len)]

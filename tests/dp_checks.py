@@ -51,10 +51,11 @@ def make_cfg(data: str, **extra):
 
 
 def make_grid(dp_ranks: list[int] | None = None, dp_pg=None) -> Grid:
-    """A grid whose only non-trivial group is dp (sub-groups of one spawned world)."""
+    """A grid whose only non-trivial group is dp (sub-groups of one spawned world): its world
+    is that group too (the loss and the step's agreement are reduced over the grid's world)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     if dp_ranks and len(dp_ranks) > 1:
-        return Grid.alone(rank, dp=Group("dp", dp_ranks, dp_pg))
+        return Grid.alone(rank, dp=Group("dp", dp_ranks, dp_pg), world=Group("world", dp_ranks, dp_pg))
     return Grid.alone(rank)
 
 

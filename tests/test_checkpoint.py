@@ -4,12 +4,13 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from threefold.checkpoint import CheckpointError, find_resumable, list_checkpoints, open_checkpoint
 
-from harness import CALM_LR, assert_parity, run_training, run_training_many
+from harness import CALM_LR, assert_parity, run_ranks, run_training, run_training_many
 
 BASE = {"train.steps": 10, "train.seed": 0, "train.lr": CALM_LR}
 
@@ -161,3 +162,54 @@ def test_info_and_export(saved_layouts, tmp_path):
     assert done.returncode == 0, done.stderr
     weights = safetensors.load_file(str(out / "model.safetensors"))
     assert weights["tok_embed.weight"].shape == (256, 128) and weights["layers.3.mlp.w2.weight"].shape == (128, 352)
+
+
+def _choice_worker(root: str) -> dict:
+    """Two ranks save steps 1 and 2, then resume three ways (see the test below)."""
+    import torch
+
+    import threefold.checkpoint.resume as resume
+    from threefold.checkpoint import LocalTensor, choose, load_into, save
+    from threefold.distributed import comm
+    from threefold.distributed.runtime import init_distributed, shutdown_distributed
+
+    init_distributed(torch.device("cpu"), timeout_s=60)
+    group = comm.job_group()
+    rank, w, out = group.rank, torch.zeros(4), {}
+    state = [LocalTensor("model/w", w, (8,), (4 * rank,), True)]
+    for step in (1, 2):
+        w.fill_(10 * step + rank)
+        save(root, step, state, {}, {}, {"optimizer_step": step}, group=group)
+    if rank == 1:  # this rank's listing lags behind (a stale directory cache): only step 1
+        resume.list_checkpoints = lambda r: [Path(r) / "step_00000001"]
+    w.zero_()
+    directory, manifest = choose(state, group, root=root)
+    load_into(state, directory, manifest)
+    out["lagging listing"] = [manifest.step, w.tolist()]
+    if rank == 1:  # only rank 1 reads its file: rank 0 alone would not see the corruption
+        shard = Path(root) / "step_00000002" / "rank00001.pt"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    comm.barrier(group)
+    warnings: list[str] = []
+    out["corrupt"] = [choose(state, group, root=root, warn=warnings.append)[1].step, warnings]
+    try:
+        choose(state, group, path=Path(root) / "step_00000002")
+        out["named"] = None
+    except CheckpointError as err:
+        out["named"] = str(err)
+    shutdown_distributed()
+    return out
+
+
+def test_every_rank_resumes_from_rank0s_choice_and_fails_alike(tmp_path):
+    """A rank whose own listing lags still loads the step rank 0 chose; a file only rank 1
+    reads is corrupted: both skip that checkpoint (auto) or raise the same line (named)."""
+    outs = run_ranks(_choice_worker, 2, str(tmp_path), timeout=120)
+    assert [o["lagging listing"] for o in outs] == [[2, [20.0] * 4], [2, [21.0] * 4]]
+    for o in outs:
+        step, warnings = o["corrupt"]
+        assert step == 1 and len(warnings) == 1, o
+        assert "skipping checkpoint step_00000002" in warnings[0] and "rank00001.pt: checksum mismatch" in warnings[0]
+    assert outs[0]["named"] == outs[1]["named"] and "rank00001.pt: checksum mismatch" in outs[0]["named"], outs

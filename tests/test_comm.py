@@ -63,6 +63,60 @@ def test_the_scan_sees_every_spelling(tmp_path):
     ]
 
 
+FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "as_tensor"}
+COLLECTIVES = {n for n in dir(comm) if n.startswith(("all_", "reduce_", "gather_", "broadcast")) and n[-1] != "s"}
+
+
+def _hostbound(path: Path) -> list[str]:
+    """Tensors made by a torch factory without `device=` that reach a collective in the same
+    function (directly, or through one name): on NCCL each would be a CPU tensor. The device
+    check in comm.py catches them when the code runs; this catches them on paths no test runs."""
+    found = []
+
+    def made_without_device(node) -> bool:
+        return (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and ast.unparse(node.func.value) == "torch"
+            and node.func.attr in FACTORIES
+            and not any(k.arg == "device" for k in node.keywords)
+        )
+
+    for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        host = set()
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and made_without_device(node.value):
+                host |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name not in COLLECTIVES:
+                continue
+            arg = node.args[0]
+            if made_without_device(arg) or (isinstance(arg, ast.Name) and arg.id in host):
+                found.append(f"{path}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_no_host_tensor_is_handed_to_a_collective():
+    bad = [u for f in sorted(PACKAGE.rglob("*.py")) for u in _hostbound(f)]
+    assert bad == [], "tensors created without device= enter a collective:\n" + "\n".join(bad)
+
+
+def test_the_host_tensor_scan_finds_both_shapes(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "def f(g, d):\n"
+        "    x = torch.zeros(3)\n    comm.all_reduce(x, g)\n"
+        "    all_reduce_max(torch.tensor([1.0]), g)\n"
+        "    comm.all_reduce(torch.zeros(3, device=d), g)\n"
+    )
+    assert [line.split(": ", 1)[0].rsplit(":", 1)[1] for line in _hostbound(probe)] == ["3", "4"]
+
+
 def test_a_tensor_off_the_groups_device_is_refused_even_alone():
     """NCCL refuses a CPU tensor; gloo would not say so, and a group of one never communicates.
     The check runs anyway, so a single-GPU run finds a CPU tensor bound for a collective."""

@@ -31,6 +31,7 @@ RUN = {
     "parallel.dp": DP,
     "parallel.zero": 1,
     "log.spans": "true",
+    "log.interval": 1,  # a spans.jsonl line per step
 }
 
 
@@ -63,14 +64,17 @@ def expected(cfg, stage: int) -> dict[str, tuple[int, int]]:
         tp_calls += micro * 2
         tp_bytes += micro * 3 * SEQ * MB * 4
     # PP: one send per micro-batch (activations forward, or their gradients backward); the
-    # spans' pipeline flush (1 float), the norm's sum over stages (fp32) and the loss's (fp64).
-    pp = (micro + 3, micro * x + 4 + 4 + 8)
+    # spans' pipeline flush (1 float) and the norm's sum over stages (fp32).
+    pp = (micro + 2, micro * x + 4 + 4)
     # DP, ZeRO 1: each bucket's gradients all-reduced and its updated parameters all-gathered
-    # (the padded buffer), the loss summed (fp64). ZeRO 1 norms need no dp traffic.
+    # (the padded buffer). ZeRO 1 norms need no dp traffic.
     numel, buckets = padded_numel(cfg, stage)
-    dp = (2 * buckets + 1, 2 * numel * 4 + 8)
-    # World: the health all-gather of 3 fp32 per rank and the MAX of 4 fp32.
-    world = (2, 8 * 3 * 4 + 4 * 4)
+    dp = (2 * buckets, 2 * numel * 4)
+    # World: the control plane's MAX of 7 fp64 (two non-finite flags, memory, data wait, pipeline
+    # wait and idle, compute time) and the loss's SUM (fp64), whatever the world size; every step
+    # here is a report step (log.interval 1): each rank's compute time (fp64) gathered to rank 0,
+    # which handles all eight (see rank_0_world).
+    world = (3, 7 * 8 + 8 + 8)
     return {"tp": (tp_calls, tp_bytes), "pp": pp, "dp": dp, "ep": (0, 0), "world": world}
 
 
@@ -89,4 +93,6 @@ def test_every_group_carries_what_the_layout_implies(spans):
         assert len(record["ranks"]) == TP * PP * DP
         for rank in record["ranks"]:
             got = {g: (rank["comm_calls"][g], rank["comm_bytes"][g]) for g in ("tp", "pp", "dp", "ep", "world")}
-            assert got == want[rank["pp"]], (record["step"], rank["rank"])
+            world = TP * PP * DP
+            rank_0_world = {"world": (3, 7 * 8 + 8 + 8 * world)} if rank["rank"] == 0 else {}
+            assert got == {**want[rank["pp"]], **rank_0_world}, (record["step"], rank["rank"])

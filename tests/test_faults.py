@@ -111,12 +111,17 @@ def test_nonfinite_loss_on_one_rank_poisons_the_norm_and_counts():
 
     health = StepHealth(Group("world", [0], None), rollback_after=2, straggler_steps=0)
     norm = health.agree(torch.tensor(1.5), torch.tensor(float("inf")), 0.1, scaler_enabled=False)
-    assert norm.isnan() and health.record(0, applied=False)["nonfinite_steps"] == 1 and not health.rollback_due
+    # The decision is on the device; the counters wait for the step's host read (settle).
+    assert norm.isnan() and health.nonfinite == 0 and health.pending is not None
+    assert health.record(0, applied=False)["nonfinite_steps"] == 1 and not health.rollback_due
     # A non-finite gradient under loss scaling is an fp16 overflow: skipped, not a divergence.
     norm = health.agree(torch.tensor(float("inf")), torch.tensor(2.0), 0.1, scaler_enabled=True)
+    health.settle()
     assert norm.isnan() and health.nonfinite == 1 and health.in_a_row == 0
-    health.agree(torch.tensor(1.0), torch.tensor(float("nan")), 0.1, scaler_enabled=True)
-    health.agree(torch.tensor(1.0), torch.tensor(float("nan")), 0.1, scaler_enabled=True)
+    assert not health.agree(torch.tensor(1.0), torch.tensor(2.0), 0.1, scaler_enabled=True).isnan()
+    for _ in range(2):
+        health.agree(torch.tensor(1.0), torch.tensor(float("nan")), 0.1, scaler_enabled=True)
+        health.settle()
     assert health.rollback_due and health.record(3, applied=False)["steps_skipped"] == 2
 
 

@@ -52,3 +52,39 @@ def test_building_a_model_does_not_import_the_compiler():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_deferred_parameters_get_the_values_tie_and_init_gives():
+    """build_model(defer_init=True) leaves each trained parameter on meta; adopt(initial_value)
+    makes the very same object hold what the eager build holds, bit for bit: for a whole tied
+    model and for a last pipeline stage whose head is a copy of the tied embedding. The
+    parameter keeps its sharding record and its own version counter (a ZeRO-3 all-gather
+    writes the bucket it views in place, and autograd checks saved tensors' versions)."""
+    from threefold.config import build_config
+    from threefold.distributed.grid import Grid
+    from threefold.distributed.parallelize import build_model
+    from threefold.model.meta import adopt, deferred, initial_value
+    from threefold.model.sharding import sharding_of
+
+    cfg = build_config(None, [("model.preset", "tiny"), ("model.tie_embeddings", "true")])
+    cpu = torch.device("cpu")
+    for ids, first, last in ((None, True, True), ([2, 3], False, True)):
+        eager = dict(build_model(cfg, Grid.alone(), cpu, ids, first, last).named_parameters())
+        model = build_model(cfg, Grid.alone(), cpu, ids, first, last, defer_init=True)
+        params = dict(model.named_parameters())
+        assert params.keys() == eager.keys() and all(p.is_meta and deferred(p) for p in params.values())
+        records = {n: sharding_of(p) for n, p in params.items()}
+        for name, p in params.items():
+            bucket = torch.zeros(p.numel() + 3)
+            view = bucket[1 : 1 + p.numel()]
+            view.copy_(initial_value(p).reshape(-1))
+            adopt(p, view.view(p.shape))
+            assert getattr(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]) is p
+            assert torch.equal(p, eager[name]), name
+            assert p.requires_grad and deferred(p) is None and sharding_of(p) is records[name]
+            version = p._version
+            bucket.add_(0)
+            assert p._version == version and p.untyped_storage().data_ptr() == bucket.untyped_storage().data_ptr()
+        if first and last:
+            assert model.head.weight is model.tok_embed.weight
+            assert torch.isfinite(model(torch.randint(0, 256, (1, 8)), torch.randint(0, 256, (1, 8)))).all()

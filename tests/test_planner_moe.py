@@ -34,8 +34,9 @@ def test_moe_memory_per_device_is_the_hand_formula():
     mem = device_memory(shape, lay, global_batch=64)
     dense_numel = (L * dense + embed + head) / t  # the dense part over tp, ZeRO-1 over dp
     expert_numel = L * experts / ep  # whole on each TP rank, ZeRO-1 over expert_dp = t * dp / ep = 4
-    expect_dense = 4 * dense_numel + 12 * dense_numel / dp
-    expect_experts = 4 * expert_numel + 12 * expert_numel / (t * dp // ep)
+    # bf16 parameters (2) and fp32 gradients (4, train.grad_reduce_dtype auto) stay whole under ZeRO-1.
+    expect_dense = 6 * dense_numel + 12 * dense_numel / dp
+    expect_experts = 6 * expert_numel + 12 * expert_numel / (t * dp // ep)
     assert mem.expert_state == pytest.approx(expect_experts)
     assert mem.params + mem.grads + mem.optimizer == pytest.approx(expect_dense + expect_experts)
     # Activations: Korthikanti's TP layer with the MLP share (3sbh + 16sbh/t) swapped for the routed
@@ -43,7 +44,7 @@ def test_moe_memory_per_device_is_the_hand_formula():
     s, b, h, a, f, k, V = 4096, 1, 2048, 16, 1024, 8, 50304
     sbh = s * b * h
     layer = sbh * (10 + 24 / t + 5 * a * s / (h * t)) - (3 + 16 / t) * sbh + s * b / t * (4 * h + k * (4 * h + 8 * f))
-    assert mem.activations == pytest.approx(L * layer + 4 * sbh + 4 * s * b * V / t)
+    assert mem.activations == pytest.approx(L * layer + 4 * sbh + 2 * s * b * V / t)  # bf16 logits
 
 
 def test_expert_parallelism_divides_expert_memory_by_ep():
@@ -60,8 +61,8 @@ def test_expert_parallelism_divides_expert_memory_by_ep():
     # ep only shrinks their parameters and gradients.
     z1 = {ep: device_memory(shape, Layout(tp=1, dp=8, ep=ep, mbs=1, zero=1), global_batch=64) for ep in (1, 8)}
     experts = 16 * _olmoe_counts()[1]
-    assert z1[1].expert_state == pytest.approx(experts * (4 + 12 / 8))
-    assert z1[8].expert_state == pytest.approx(experts / 8 * (4 + 12))
+    assert z1[1].expert_state == pytest.approx(experts * (6 + 12 / 8))
+    assert z1[8].expert_state == pytest.approx(experts / 8 * (6 + 12))
 
 
 def test_moe_step_terms_carry_the_all_to_all_volume():
@@ -84,11 +85,12 @@ def test_moe_step_terms_carry_the_all_to_all_volume():
     assert terms.categories["tp_comm"]["intra_bw_gbps"] == pytest.approx(
         m * (L * (2 * 2 * ring * x + 2 * ring * x) + 2 * 2 * ring * x)
     )
-    # Gradients: dense over dp=4, the experts (E/ep per rank) over expert_dp = 2 * 4 / 2 = 4.
+    # Gradients (fp32, the default reduction): dense over dp=4, the experts (E/ep per rank) over
+    # expert_dp = 2 * 4 / 2 = 4.
     dense, experts, embed, head = _olmoe_counts()
     dense_numel, expert_numel = (L * dense + embed + head) / 2, L * experts / 2
     assert terms.categories["dp_comm"]["intra_bw_gbps"] == pytest.approx(
-        2 * 3 / 4 * dense_numel * 2 + 2 * 3 / 4 * expert_numel * 2
+        2 * 3 / 4 * dense_numel * 4 + 2 * 3 / 4 * expert_numel * 4
     )
     # ep = 1: no all-to-all. Across nodes (tp 4 x ep 4 > 8 per node): the share bound for the
     # other node, (ep - 2 local) / ep, over the inter-node link.

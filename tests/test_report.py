@@ -20,7 +20,7 @@ from threefold.observe.trace import check_trace, gantt_rows
 from harness import run_ranks, run_training
 
 STEPS = 3
-BASE = {"train.steps": STEPS, "model.preset": "tiny", "log.spans": "true", "train.warmup_steps": 1}
+BASE = {"train.steps": STEPS, "model.preset": "tiny", "log.spans": "true", "log.interval": 1, "train.warmup_steps": 1}
 
 
 @pytest.fixture(scope="module")

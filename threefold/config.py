@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from threefold.errors import ConfigError
+from threefold.presets import PRESET_TRAIN, PRESETS
 
 
 def knob(default: Any, doc: str, choices: tuple | None = None, key: str | None = None) -> Any:
@@ -119,7 +121,7 @@ class TrainConfig:
     )
     grad_reduce_dtype: str = knob(
         "auto",
-        "Dtype of gradient accumulation and data-parallel reduction (auto = parameter dtype)",
+        "Dtype of gradient accumulation and data-parallel reduction (auto = fp32, Megatron's main grads)",
         ("auto", "fp32", "bf16", "fp16"),
     )
     loss_scale: str = knob("auto", "Loss scaling: auto (dynamic for fp16, none otherwise), none, dynamic, or a number")
@@ -131,6 +133,14 @@ class TrainConfig:
         ("none", "selective", "full"),
     )
     recompute_layers: int = knob(0, "Blocks per pipeline stage that full recompute covers, from the first (0 = all)")
+    compile: bool = knob(
+        False, "torch.compile each transformer block (parallel plumbing stays eager); the first step compiles"
+    )
+    compile_backend: str = knob(
+        "inductor",
+        "Backend of train.compile: inductor generates kernels; aot_eager only traces (checks the capture)",
+        ("inductor", "aot_eager"),
+    )
     device: str = knob("auto", "Device type: auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
     threads: int = knob(1, "Intra-op threads per worker on CPU")
     timeout_s: float = knob(300.0, "Collective timeout: a hung rank fails the job after this long")
@@ -182,7 +192,11 @@ class LogConfig:
     """Metrics and console output."""
 
     dir: str = knob("runs/latest", "Run directory for metrics.jsonl and run.json")
-    interval: int = knob(10, "Print a status line every N steps when stdout is not a terminal")
+    interval: int = knob(
+        10,
+        "Report every N steps: the status line (when stdout is not a terminal), and the only steps that "
+        "gather per-rank detail to rank 0 (stragglers, spans, expert load)",
+    )
     quiet: bool = knob(False, "No per-step console output")
     spans: bool = knob(
         False,
@@ -213,51 +227,18 @@ class Config:
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
 
-# Shapes: tiny runs seconds-per-step tests on CPU; small is ~20M parameters; the rest are
-# the published reference sizes used for planning.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden=128, layers=4, heads=4, kv_heads=2, ffn_hidden=352, vocab=256, seq_len=128),
-    "small": dict(hidden=512, layers=6, heads=8, kv_heads=4, ffn_hidden=1408, vocab=256, seq_len=256),
-    "gpt-1.3b": dict(
-        arch="gpt2",
-        hidden=2048,
-        layers=24,
-        heads=16,
-        kv_heads=16,
-        ffn_hidden=8192,
-        vocab=50304,
-        seq_len=2048,
-        tie_embeddings=True,
-    ),
-    "gpt-175b": dict(
-        arch="gpt2",
-        hidden=12288,
-        layers=96,
-        heads=96,
-        kv_heads=96,
-        ffn_hidden=49152,
-        vocab=51200,
-        seq_len=2048,
-        tie_embeddings=True,
-    ),
-    "llama-7b": dict(hidden=4096, layers=32, heads=32, kv_heads=32, ffn_hidden=11008, vocab=32000, seq_len=4096),
-    "llama-70b": dict(
-        hidden=8192, layers=80, heads=64, kv_heads=8, ffn_hidden=28672, vocab=32000, seq_len=4096, rope_theta=500000.0
-    ),
-    # OLMoE-1B-7B (Muennighoff et al. 2024): 64 SwiGLU experts of width 1024 per block, top-8;
-    # 6.9B parameters, 1.3B active. (Its QK-norm is not modelled; shapes and counts match.)
-    "olmoe-1b-7b": dict(
-        hidden=2048,
-        layers=16,
-        heads=16,
-        kv_heads=16,
-        ffn_hidden=1024,
-        vocab=50304,
-        seq_len=4096,
-        num_experts=64,
-        top_k=8,
-    ),
-}
+
+def apply_train_preset(cfg: Config, explicit: set[str] = frozenset()) -> None:
+    """Fill lr, min_lr_ratio and warmup_steps from the model preset's paper (PRESET_TRAIN) where
+    the user did not set them (`explicit`: "train.<key>" names). Call after apply_preset."""
+    recipe = PRESET_TRAIN.get(cfg.model.preset, {})
+    t = cfg.train
+    for key in ("lr", "min_lr_ratio", "warmup_steps"):
+        if key in recipe and f"train.{key}" not in explicit:
+            setattr(t, key, type(getattr(t, key))(recipe[key]))
+    if "warmup_tokens" in recipe and "train.warmup_steps" not in explicit:
+        tokens_per_step = max(1, t.global_batch * cfg.model.seq_len)
+        t.warmup_steps = max(1, math.ceil(recipe["warmup_tokens"] / tokens_per_step))
 
 
 def apply_preset(model: ModelConfig, explicit: set[str] = frozenset()) -> None:
@@ -387,13 +368,15 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
 
 
 def build_config(config_file: str | None, overrides: list[tuple[str, str]]) -> Config:
-    """Defaults <- TOML file <- command-line overrides <- preset shape for unset fields."""
+    """Defaults <- TOML file <- command-line overrides <- preset shape and optimizer schedule
+    for unset fields."""
     cfg = Config()
     explicit = set(load_toml(cfg, config_file)) if config_file else set()
     for key, value in overrides:
         set_key(cfg, key, value)
         explicit.add(key.lstrip("-").replace("-", "_"))
     apply_preset(cfg.model, explicit)
+    apply_train_preset(cfg, explicit)
     return cfg
 
 

@@ -221,6 +221,7 @@ def validate_train(cfg: Config) -> None:
             f"{t.recompute_layers} is more than model.layers ({cfg.model.layers})",
             f"valid: 0 (all) to {cfg.model.layers}",
         )
+    _validate_compile(cfg)
     _validate_eval(cfg)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError("train.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]")
@@ -254,6 +255,27 @@ def validate_train(cfg: Config) -> None:
     validate_log(cfg)
     if cfg.checkpoint.interval < 0:
         raise ConfigError("checkpoint.interval", f"must be >= 0, got {cfg.checkpoint.interval}")
+
+
+def _validate_compile(cfg: Config) -> None:
+    """Inductor builds CPU kernels with a C++ compiler: without one the first step would fail deep
+    inside torch.compile."""
+    import shutil
+
+    t = cfg.train
+    if not (t.compile and t.compile_backend == "inductor") or t.device == "cuda":
+        return
+    if t.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+        raise ConfigError(
+            "train.compile",
+            "inductor on CPU needs a C++ compiler (g++, c++ or clang++) on PATH",
+            "install one, or set train.compile_backend aot_eager or train.compile false",
+        )
 
 
 def _validate_eval(cfg: Config) -> None:

@@ -1,10 +1,15 @@
-"""Saving and loading sharded checkpoints (collective over all ranks).
+"""Saving and loading sharded checkpoints.
 
-Save: every rank writes its tensors into `step_N.tmp/`, fsynced, and reports sizes and
-checksums; rank 0 writes the manifest, renames the directory to `step_N` and only then points
-`latest` at it. A crash at any moment leaves the previous checkpoint and `latest` intact.
+Save (collective): every rank writes its tensors into `step_N.tmp/rankR.pt`, fsynced, and sends
+a report of a few hundred bytes (size, sha256, its shards) to rank 0 alone (gather, not
+all-gather); rank 0 writes the tables and the manifest, renames the directory to `step_N`, only
+then points `latest` at it, and tells every rank the outcome (one broadcast, which is also the
+barrier); it prunes old checkpoints after that, while the others go on. A crash at any moment
+leaves the previous checkpoint and `latest` intact.
 Load: intersect each local slice with the shards on disk (files memory-mapped, read with
-weights_only=True), so any layout loads any checkpoint of the same model.
+weights_only=True), so any layout loads any checkpoint of the same model. The training resume
+(resume.py) picks the checkpoint on rank 0 and broadcasts it; `find_resumable` and
+`open_checkpoint` are the one-process versions for tools, which verify every file.
 """
 
 from __future__ import annotations
@@ -20,14 +25,17 @@ from threefold.checkpoint.manifest import (
     MANIFEST,
     CheckpointError,
     Manifest,
-    Shard,
     TensorEntry,
+    build,
+    file_name,
     fsync_dir,
     list_checkpoints,
     sha256_of,
+    shard_key,
     step_dir_name,
     verify,
     write_atomic,
+    write_tables,
 )
 from threefold.checkpoint.state import LocalTensor
 from threefold.distributed import comm
@@ -52,10 +60,11 @@ def save(
     layout: dict,
     extra: dict | None = None,
     keep: int = 0,
+    group: comm.Group | None = None,
 ) -> Path | None:
-    """Write a checkpoint of `step` (collective over the job's default group); returns its
-    directory on rank 0."""
-    return write(root, step, snapshot(tensors, copy=False), config, layout, extra, keep)
+    """Write a checkpoint of `step` (collective over `group`, None = the job's default group);
+    returns its directory on rank 0."""
+    return write(root, step, snapshot(tensors, copy=False), config, layout, extra, keep, group)
 
 
 def write(
@@ -71,55 +80,82 @@ def write(
     """Write, verify and publish a snapshot: collective over `group` (None = the job's default
     group); returns the published directory on rank 0."""
     group = group or comm.job_group()
-    root, rank = Path(root), group.rank
-    final, tmp = root / step_dir_name(step), root / (step_dir_name(step) + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
-        tmp.mkdir(parents=True)
-    comm.barrier(group)
-    file = f"rank{rank:05d}.pt"
-    # A rank may hold several rectangles of one tensor (ZeRO cuts anywhere): key by name and offsets.
-    key = {id(t): f"{t.name}@{','.join(map(str, t.offsets))}" for t, _ in shards}
-    mine = {key[id(t)]: host for t, host in shards}
-    path = tmp / file
-    with open(path, "wb") as f:
-        torch.save(mine, f)
-        f.flush()
-        os.fsync(f.fileno())
-    report = {
-        "file": file,
-        "bytes": path.stat().st_size,
-        "sha256": sha256_of(path),
-        "tensors": [
-            (
-                t.name,
-                key[id(t)],
-                list(t.global_shape),
-                str(host.dtype).replace("torch.", ""),
-                list(t.offsets),
-                list(t.lengths),
-            )
-            for t, host in shards
-        ],
-    }
-    reports = comm.all_gather_objects(report, group)
-    if rank == 0:
-        entries: dict[str, TensorEntry] = {}
-        for r in reports:
-            for name, file_key, shape, dtype, offsets, lengths in r["tensors"]:
-                entry = entries.setdefault(name, TensorEntry(shape, dtype))
-                entry.shards.append(Shard(r["file"], file_key, offsets, lengths))
-        files = {r["file"]: {"bytes": r["bytes"], "sha256": r["sha256"]} for r in reports}
-        manifest = Manifest(step, config, layout, entries, files, extra or {})
-        write_atomic(tmp / MANIFEST, manifest.to_json())
-        if final.exists():  # an older save of the same step (e.g. after a rollback)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        write_atomic(root / LATEST, final.name + "\n")
+    report = write_shards(root, step, shards, group.rank)
+    return publish(root, step, report, config, layout, extra, keep, group)
+
+
+def write_shards(root: str | Path, step: int, shards: list[tuple[LocalTensor, torch.Tensor]], rank: int) -> dict:
+    """This rank's file of `step` (fsynced) and its report for rank 0; no communication, so an
+    asynchronous save runs it in a background thread. A failure becomes {"error": ...}: the
+    metadata round then fails on every rank instead of leaving the others waiting."""
+    try:
+        tmp = Path(root) / (step_dir_name(step) + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)  # every rank: no barrier before writing
+        path = tmp / file_name(rank)
+        with open(path, "wb") as f:
+            torch.save({shard_key(t.name, t.offsets): host for t, host in shards}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return {"bytes": path.stat().st_size, "sha256": sha256_of(path), "shards": report_shards(shards)}
+    except (OSError, RuntimeError) as err:
+        return {"error": f"rank {rank}: {err}"}
+
+
+def report_shards(shards: list[tuple[LocalTensor, torch.Tensor]]) -> list[tuple]:
+    """(name, global shape, dtype, offsets, lengths) of every tensor a rank wrote."""
+    return [
+        (t.name, tuple(t.global_shape), str(host.dtype).replace("torch.", ""), tuple(t.offsets), tuple(t.lengths))
+        for t, host in shards
+    ]
+
+
+def publish(
+    root: str | Path,
+    step: int,
+    report: dict,
+    config: dict,
+    layout: dict,
+    extra: dict | None,
+    keep: int,
+    group: comm.Group,
+) -> Path | None:
+    """The metadata round of a save, collective over `group` (on the caller's thread: object
+    collectives on NCCL use the current device): every report to rank 0 (O(world) bytes there,
+    O(1) on the others), rank 0 publishes, one broadcast of the outcome; a failure on any rank
+    raises the same CheckpointError on every rank. Rank 0 prunes after the broadcast."""
+    root = Path(root)
+    final = root / step_dir_name(step)
+    reports = comm.gather_objects(report, group)
+    outcome = None
+    if group.rank == 0:
+        failed = [r["error"] for r in reports if "error" in r]
+        try:
+            outcome = failed[0] if failed else _publish(root, final, step, reports, config, layout, extra or {})
+        except (OSError, CheckpointError) as err:
+            outcome = f"rank 0: {err}"
+    outcome = comm.broadcast_object(outcome, group)
+    if outcome is not None:
+        raise CheckpointError(f"{final}: not saved: {outcome}")
+    if group.rank == 0:
         _prune(root, keep)
-    comm.barrier(group)
-    return final if rank == 0 else None
+        return final
+    return None
+
+
+def _publish(root: Path, final: Path, step: int, reports, config, layout, extra) -> None:
+    """Rank 0: tables and manifest into the temporary directory, rename, then `latest`."""
+    tmp = final.with_name(final.name + ".tmp")
+    manifest, shards, files = build(step, config, layout, extra, reports)
+    expected = {file_name(n) for n in range(len(reports))}
+    for leftover in tmp.iterdir():  # of a save that crashed, e.g. with more ranks
+        if leftover.name not in expected:
+            leftover.unlink()
+    write_tables(tmp, manifest, shards, files)
+    if final.exists():  # an older save of the same step (e.g. after a rollback)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    write_atomic(root / LATEST, final.name + "\n")
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -161,23 +197,47 @@ def open_checkpoint(path: str | Path) -> tuple[Path, Manifest]:
     return found
 
 
+def check_fit(t: LocalTensor, entry: TensorEntry | None, directory: Path) -> None:
+    """The checkpoint has the tensor `t` is a slice of, with its global shape."""
+    if entry is None:
+        raise CheckpointError(f"{directory}: has no tensor {t.name!r} (a checkpoint of another model?)")
+    if tuple(entry.shape) != tuple(t.global_shape):
+        raise CheckpointError(
+            f"{directory}: {t.name} has shape {tuple(entry.shape)}, this model needs {tuple(t.global_shape)}"
+        )
+
+
+def _overlap(shard, t: LocalTensor) -> tuple[list[int], list[int]] | None:
+    """The global box where a shard and a local slice meet (None when they do not)."""
+    lo = [max(a, b) for a, b in zip(shard.offsets, t.offsets)]
+    hi = [min(a + n, b + m) for a, n, b, m in zip(shard.offsets, shard.lengths, t.offsets, t.lengths)]
+    return None if any(h <= low for low, h in zip(lo, hi)) else (lo, hi)
+
+
+def files_read_by(tensors: list[LocalTensor], directory: Path, manifest: Manifest) -> set[str]:
+    """The shard files the slices `tensors` are loaded from (reads their shard lines only)."""
+    manifest.read_shards(directory, [t.name for t in tensors])
+    files = set()
+    for t in tensors:
+        entry = manifest.tensors.get(t.name)
+        check_fit(t, entry, directory)
+        files.update(s.file for s in entry.shards if _overlap(s, t) is not None)
+    return files
+
+
 def load_into(tensors: list[LocalTensor], directory: Path, manifest: Manifest) -> None:
     """Fill every local slice from the overlapping shards on disk."""
+    manifest.read_shards(directory, [t.name for t in tensors])
     cache: dict[str, dict] = {}
     for t in tensors:
         entry = manifest.tensors.get(t.name)
-        if entry is None:
-            raise CheckpointError(f"{directory}: has no tensor {t.name!r} (a checkpoint of another model?)")
-        if tuple(entry.shape) != tuple(t.global_shape):
-            raise CheckpointError(
-                f"{directory}: {t.name} has shape {tuple(entry.shape)}, this model needs {tuple(t.global_shape)}"
-            )
+        check_fit(t, entry, directory)
         filled = 0
         for shard in entry.shards:
-            lo = [max(a, b) for a, b in zip(shard.offsets, t.offsets)]
-            hi = [min(a + n, b + m) for a, n, b, m in zip(shard.offsets, shard.lengths, t.offsets, t.lengths)]
-            if any(h <= low for low, h in zip(lo, hi)):
+            box = _overlap(shard, t)
+            if box is None:
                 continue
+            lo, hi = box
             if shard.file not in cache:
                 path = directory / shard.file
                 cache[shard.file] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)

@@ -1,10 +1,15 @@
 """`Checkpointer`: synchronous or asynchronous saves for the training loop.
 
 Asynchronous (`checkpoint.async`): the loop pays only for copying this rank's tensors to host
-memory; a background thread writes, fsyncs, checksums and publishes them with the same
-protocol as a synchronous save (temporary directory, manifest, rename, `latest` last), so a
-crash at any moment still leaves the previous checkpoint intact. At most one save is in
-flight: the next save, a rollback and the end of training wait for it.
+memory; a background thread writes, fsyncs and checksums this rank's file and does nothing
+else. The metadata round (reports to rank 0, manifest, rename, `latest` last, the outcome
+broadcast) needs every rank at the same point, so it runs on the caller's thread, on the main
+communicator, at the first report step after the save (every log.interval steps; the
+training loop calls wait()), when the next save begins, or at close (the end of training, a
+rollback): a crash before then leaves the previous checkpoint. No second process group is
+needed: the training thread is the only one that communicates, so collectives stay in the same
+order on every rank (and object collectives on NCCL use the current device, which only the main
+thread sets).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 
-from threefold.checkpoint.io import snapshot, write
+from threefold.checkpoint.io import publish, snapshot, write_shards
 from threefold.checkpoint.state import LocalTensor
 from threefold.distributed import comm
 
@@ -27,59 +32,55 @@ class Checkpointer:
         keep: int,
         asynchronous: bool,
         on_published=lambda step, directory: None,
+        group: comm.Group | None = None,
     ):
+        """`group`: the communicator of the metadata round (the grid's world; None = the job's
+        default group)."""
         self.root, self.state, self.config, self.layout, self.keep = root, state, config, layout, keep
         self.asynchronous, self.on_published = asynchronous, on_published
+        self.group = group or comm.job_group()
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self.group = None
-        if asynchronous and comm.world_size() > 1:
-            # The background thread's barrier and gather need a process group of their own.
-            # Collectives on one group must be issued in the same order on every rank; the
-            # training thread issues its all-reduces on the default group while this thread
-            # runs at its own pace, so sharing that group would interleave them differently
-            # on different ranks (mismatched collectives: a hang or silently mixed data).
-            # A separate gloo group (host tensors, also under NCCL) has its own connections
-            # and sequence numbers; saves are issued in the same order everywhere, so its
-            # collectives match. new_group is itself collective: created once, up front.
-            self.group = comm.job_group("checkpoint", backend="gloo")
+        self._pending: tuple[int, dict, dict] | None = None  # step, extra, {"report": ...} of the save in flight
 
     def save(self, step: int, extra: dict) -> float:
-        """Save `step`; returns the seconds the caller was blocked (waiting for the previous
+        """Save `step`; returns the seconds the caller was blocked (publishing the previous
         save, copying to host memory, and for a synchronous save all of the writing)."""
         t0 = time.perf_counter()
         self.wait()
         shards = snapshot(self.state, copy=self.asynchronous)
         if not self.asynchronous:
-            self._publish(step, shards, extra, None)
+            self._publish(step, extra, write_shards(self.root, step, shards, self.group.rank))
             return time.perf_counter() - t0
+        box: dict = {}
+        self._pending = (step, extra, box)
         self._thread = threading.Thread(
-            target=self._run, args=(step, shards, extra), name="threefold-checkpoint", daemon=True
+            target=self._write, args=(step, shards, box), name="threefold-checkpoint", daemon=True
         )
         self._thread.start()
         return time.perf_counter() - t0
 
-    def _run(self, step: int, shards, extra: dict) -> None:
-        try:
-            self._publish(step, shards, extra, self.group)
-        except BaseException as err:  # handed to the training thread by wait()
-            self._error = err
+    def _write(self, step: int, shards, box: dict) -> None:
+        box["report"] = write_shards(self.root, step, shards, self.group.rank)  # file I/O only
 
-    def _publish(self, step: int, shards, extra: dict, group) -> None:
-        directory = write(self.root, step, shards, self.config, self.layout, extra, self.keep, group=group)
+    def _publish(self, step: int, extra: dict, report: dict) -> None:
+        directory = publish(self.root, step, report, self.config, self.layout, extra, self.keep, self.group)
         self.on_published(step, directory)
 
+    @property
+    def in_flight(self) -> bool:
+        """An asynchronous save is written or being written, not yet published."""
+        return self._thread is not None
+
     def wait(self) -> None:
-        """Block until the save in flight (if any) is published; re-raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
+        """Publish the save in flight (if any): wait for this rank's file, then the metadata
+        round (collective: every rank calls it at the same point); a failed write on any rank
+        raises the same CheckpointError on every rank."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        step, extra, box = self._pending
+        self._thread = self._pending = None
+        self._publish(step, extra, box.get("report", {"error": f"rank {self.group.rank}: the write did not finish"}))
 
     def close(self) -> None:
         self.wait()
-        if self.group is not None:
-            comm.destroy_group(self.group.pg)
-            self.group = None

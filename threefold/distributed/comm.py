@@ -215,6 +215,33 @@ def all_to_all(
     return out
 
 
+def gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor | None:
+    """Every rank's `x` concatenated along dimension 0 on the group's first rank (None on the
+    others): per-rank detail for rank 0 only, O(size) bytes there and O(1) everywhere else."""
+    x = x.contiguous()
+    _check(x, group, "gather")
+    if group.size == 1:
+        return x
+    first = group.rank == 0
+    parts = [torch.empty_like(x) for _ in range(group.size)] if first else None
+    # Bytes as each rank handles them: the first rank the whole output, the others their part.
+    _run(
+        group,
+        "gather",
+        nbytes(x) * (group.size if first else 1),
+        lambda a: dist.gather(x, parts, dst=group.ranks[0], group=group.pg),
+        False,
+    )
+    return torch.cat(parts) if first else None
+
+
+def broadcast(x: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
+    """`x` from the group's rank `src` (an index in the group) to every rank, in place."""
+    _check(x, group, "broadcast")
+    _run(group, "broadcast", nbytes(x), lambda a: dist.broadcast(x, src=group.ranks[src], group=group.pg), False)
+    return x
+
+
 def wait(work, group: Group) -> None:
     """Wait for an asynchronous call on `group` (None: a group of one issued nothing); timed as
     the group's span category, like the call."""
@@ -281,6 +308,16 @@ def gather_objects(obj, group: Group) -> list | None:
     return out
 
 
+def broadcast_object(obj, group: Group, src: int = 0):
+    """The group's rank `src`'s picklable `obj` on every rank (a decision taken once, by one rank)."""
+    if group.size == 1:
+        return obj
+    box = [obj if group.rank == src else None]
+    group.stats.record("broadcast_object", 0)
+    dist.broadcast_object_list(box, src=group.ranks[src], group=group.pg)
+    return box[0]
+
+
 # --- the job's process group: start, groups, end -----------------------------------------------
 
 
@@ -304,6 +341,27 @@ def world_handle():
 def new_group(ranks: list[int], timeout: timedelta | None = None, backend: str | None = None):
     """A process group over `ranks` (collective over the whole job: every rank calls it)."""
     return dist.new_group(ranks, timeout=timeout, backend=backend)
+
+
+def can_split() -> bool:
+    """Whether the job's group can be split into many groups in one collective call: torch's
+    `split_group` (2.6+) on a backend that supports it (NCCL, with the device bound at init)."""
+    if not dist.is_initialized() or not hasattr(dist, "split_group"):
+        return False
+    world = dist.group.WORLD
+    device = getattr(world, "bound_device_id", None)
+    if device is None:
+        return False
+    try:
+        return bool(getattr(world._get_backend(device), "supports_splitting", False))
+    except RuntimeError:  # no backend for that device
+        return False
+
+
+def split_group(lists: list[list[int]], timeout: timedelta | None = None):
+    """Disjoint groups `lists` of global ranks out of the job's group, in one collective call over
+    the whole job; returns this rank's group (None when it is in none of them)."""
+    return dist.split_group(split_ranks=lists, timeout=timeout)
 
 
 def job_group(name: str = "world", backend: str | None = None) -> Group:

@@ -156,18 +156,28 @@ SPAN_CATEGORY = {"tp": "tp_comm", "ep": "ep_a2a"}
 def _communicators(layout: RankLayout, rank: int, world: int, timeout: timedelta | None) -> dict[tuple, object]:
     """One communicator per distinct group of two or more ranks, keyed by its ranks: a group of
     one needs none, and names with the same members (dp and edp without ep, pp and embed at pp 2,
-    ...) share one. `new_group` is collective over the whole job, so every rank creates every such
-    group, in one order (by name, then rank list); it keeps the handles of its own."""
+    ...) share one. Where the job's group can be split (NCCL with a bound device), one
+    `split_group` per dimension creates all of its groups at once: a handful of calls per rank,
+    whatever the world size. Otherwise `new_group` is collective over the whole job, so every rank
+    creates every such group, in one order (by name, then rank list); it keeps the handles of its
+    own."""
     made: dict[tuple, object] = {tuple(range(world)): comm.world_handle()}
     seen = set(made)
+    split = comm.can_split()
     for lists in layout.group_lists().values():
-        for ranks in lists:
-            key = tuple(ranks)
-            if len(ranks) == 1 or key in seen:
-                continue
-            seen.add(key)
-            pg = comm.new_group(ranks, timeout=timeout)
-            if rank in ranks:
+        fresh = [tuple(ranks) for ranks in lists if len(ranks) > 1 and tuple(ranks) not in seen]
+        if not fresh:
+            continue
+        seen.update(fresh)  # a dimension's groups are disjoint: one split of the world
+        if split:
+            pg = comm.split_group([list(k) for k in fresh], timeout=timeout)
+            mine = [k for k in fresh if rank in k]
+            if mine:
+                made[mine[0]] = pg
+            continue
+        for key in fresh:
+            pg = comm.new_group(list(key), timeout=timeout)
+            if rank in key:
                 made[key] = pg
     return made
 

@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 
 from threefold.distributed import comm
+from threefold.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,18 @@ def under_launcher() -> bool:
 
 
 def resolve_device(kind: str, local_rank: int) -> torch.device:
+    """This worker's device. On CUDA the local rank picks the GPU modulo the GPUs the process
+    sees: a launcher that hands each process its own GPU (CUDA_VISIBLE_DEVICES=<one id>, as
+    Slurm's --gpus-per-task does) leaves every process one visible device, index 0."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ConfigError("train.device", "cuda: no CUDA device is visible to this process", "valid: auto or cpu")
+        index = local_rank % count
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device(kind)
 
 

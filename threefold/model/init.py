@@ -50,13 +50,14 @@ def normal_shard(
         b0 = block * rows_per_block
         n = min(rows_per_block, rows - b0)
         gen = torch.Generator().manual_seed(_block_seed(seed, name, block))
-        values = torch.randn((n, *full_shape[1:]), generator=gen) * std
+        # In place: the same values as `randn(...) * std`, without a second block in memory.
+        values = torch.randn((n, *full_shape[1:]), generator=gen).mul_(std)
         lo, hi = max(r0, b0) - b0, min(r1, b0 + n) - b0
         values = values[lo:hi]
         if dim != 0:
             values = values.narrow(dim, start, length)
         pieces.append(values)
-    return torch.cat(pieces, dim=0)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
 
 def _init_rule(name: str, cfg: ModelConfig) -> tuple[str, float]:
@@ -70,23 +71,25 @@ def _init_rule(name: str, cfg: ModelConfig) -> tuple[str, float]:
     return "normal", cfg.init_std
 
 
+def initial_values(name: str, param: torch.Tensor, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The initial value of `param` (logical name `name`, shard from its sharding record; it may
+    still be on the meta device): a new fp32 CPU tensor of its shape, the same on every layout."""
+    kind, std = _init_rule(name, cfg)
+    if kind != "normal":
+        return torch.full(tuple(param.shape), 0.0 if kind == "zeros" else 1.0)
+    spec = sharding_of(param).spec
+    if spec is None:
+        values = normal_shard(name, tuple(param.shape), std, seed)
+    else:
+        values = normal_shard(name, spec.full_shape, std, seed, spec.dim, spec.start, spec.length)
+    if values.shape != param.shape:
+        raise RuntimeError(f"init of {name}: shard {tuple(values.shape)} != parameter {tuple(param.shape)}")
+    return values
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int, tied_name_map: dict[str, str] | None = None) -> None:
     """Fill every parameter of `model` (already materialized, e.g. by to_empty) in place."""
     tied_name_map = tied_name_map or {}
     for name, param in model.named_parameters():
-        logical = tied_name_map.get(name, name)
-        kind, std = _init_rule(logical, cfg)
-        if kind == "zeros":
-            param.zero_()
-        elif kind == "ones":
-            param.fill_(1.0)
-        else:
-            spec = sharding_of(param).spec
-            if spec is None:
-                values = normal_shard(logical, tuple(param.shape), std, seed)
-            else:
-                values = normal_shard(logical, spec.full_shape, std, seed, spec.dim, spec.start, spec.length)
-            if values.shape != param.shape:
-                raise RuntimeError(f"init of {name}: shard {tuple(values.shape)} != parameter {tuple(param.shape)}")
-            param.copy_(values)
+        param.copy_(initial_values(tied_name_map.get(name, name), param, cfg, seed))

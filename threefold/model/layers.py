@@ -30,7 +30,13 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_grad_store is None:
             return F.linear(x, self.weight, self.bias)
-        return self.weight_grad_store.linear(x, self.weight, self.bias)
+        return _deferred_linear(self.weight_grad_store, x, self.weight, self.bias)
+
+
+def _deferred_linear(store, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # Eager even inside a compiled block (train.compile; see mark_for_compile): the store queues
+    # dW closures for W.
+    return store.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):
@@ -58,6 +64,25 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
     return (angles.cos().float().to(device)[:, None, None, :], angles.sin().float().to(device)[:, None, None, :])
+
+
+def _rope_constants(seq_len: int, head_dim: int, theta: float, device: torch.device):
+    # Inside a compiled block (train.compile; see mark_for_compile) the tables are constants of
+    # the graph, computed once at trace time, not fp64 host arithmetic and a copy to the device
+    # in every call.
+    return rope_tables(seq_len, head_dim, theta, device)
+
+
+def mark_for_compile() -> None:
+    """Before the first torch.compile of a block (model/compile.py): the dW store stays eager
+    and the RoPE tables become graph constants. Applied then, not at import: the compiler's
+    markers import the compiler stack (dynamo, sympy: seconds), which an eager run never needs.
+    Both markers leave eager calls as they were."""
+    global _deferred_linear, _rope_constants
+    if not getattr(_rope_constants, "marked", False):
+        _deferred_linear = torch.compiler.disable(_deferred_linear)
+        _rope_constants = torch.compiler.assume_constant_result(_rope_constants)
+        _rope_constants.marked = True
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -95,7 +120,7 @@ class Attention(nn.Module):
         s, b = q.shape[0], q.shape[1]
         q, k, v = (t.view(s, b, -1, self.head_dim) for t in (q, k, v))
         if self.use_rope:
-            cos, sin = rope_tables(s, self.head_dim, self.rope_theta, q.device)
+            cos, sin = _rope_constants(s, self.head_dim, self.rope_theta, q.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(*(t.permute(1, 2, 0, 3) for t in (q, k, v)))  # -> [b, heads, s, hd]
         return self.wo(out.permute(2, 0, 1, 3).reshape(s, b, -1))

@@ -52,14 +52,15 @@ def recompute_module(module: nn.Module) -> nn.Module:
 
     `module.spans`, when set to a span recorder (threefold.observe), times the reruns as
     "recompute": a call of `inner` outside forward() is checkpoint's rerun in backward."""
-    inner = module.forward
+    # Looked up at each call, so train.compile can swap in the compiled forward (model/compile.py).
+    module.recompute_inner = module.forward
     in_forward = [False]
 
     def run(*args, **kwargs):
         if in_forward[0] or module.spans is None:
-            return inner(*args, **kwargs)
+            return module.recompute_inner(*args, **kwargs)
         with module.spans.span("recompute"):
-            return inner(*args, **kwargs)
+            return module.recompute_inner(*args, **kwargs)
 
     def forward(*args, **kwargs):
         in_forward[0] = True

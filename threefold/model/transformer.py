@@ -11,17 +11,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.model.layers import Block, Linear, make_norm
+from threefold.model.loss import chunked_cross_entropy_sum
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum (not mean) of token losses in fp32: the caller divides by the global token count,
-    which makes the loss independent of how the global batch is split."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+    which makes the loss independent of how the global batch is split. Only one chunk of tokens'
+    logits is in fp32 at a time (model/loss.py)."""
+    return chunked_cross_entropy_sum(logits, targets)
 
 
 class Transformer(nn.Module):

@@ -1,4 +1,4 @@
-"""Per-step observation for the training loop: spans on every rank, gathered once per step.
+"""Per-step observation for the training loop: spans on every rank, gathered on report steps.
 
     observer = StepObserver(cfg.log, grid, device, is_logger)
     observer.attach(chunks, engine)             # recompute reruns, TP collectives, ZeRO-3 gathers get timed
@@ -10,13 +10,16 @@
 With log.spans false the recorder is None, span() hands out one shared null context and
 end_step() returns {} without any communication: off costs nothing.
 
-On: one all-gather over the world per step carries every rank's category seconds, and the bytes
-and calls of every group it belongs to; the logging rank writes their mean and max into
-metrics.jsonl (`time_s`, `comm_bytes`, `comm_calls`) and every rank's detail into spans.jsonl.
-The observer's own gathers fall between two steps and are counted in neither. On the steps in
-log.trace_steps the ranks' spans go to the logging rank (one gather of Python objects) and into
-trace.json, and the blocking cost of the step's data-parallel collectives is measured by
-replaying them (`dp_comm_serial_s`), outside the timed step.
+On: each rank sums its category seconds and the bytes and calls of every group it belongs to,
+step by step, on the host. On report steps (every log.interval steps, the last step, traced steps)
+one gather brings every rank's per-step means since the last report to the logging rank (O(world)
+bytes there, rarely; O(1) on every other rank), which writes their mean and max into metrics.jsonl
+(`time_s`, `comm_bytes`, `comm_calls`, over `span_steps` steps) and every rank's detail into
+spans.jsonl (`steps`: how many steps the line averages). The observer's own gathers fall between
+two steps and are counted in neither. On the steps in log.trace_steps the ranks' spans go to the
+logging rank (one gather of Python objects) and into trace.json, and the blocking cost of the
+step's data-parallel collectives is measured by replaying them (`dp_comm_serial_s`), outside the
+timed step.
 """
 
 from __future__ import annotations
@@ -76,7 +79,9 @@ class StepObserver:
         self._step = 0
         self._detail = None
         self._trace = None
-        self._coords = [grid.layout.coords(r) for r in range(grid.layout.world_size)]
+        self._coords = None
+        self._sums: list[float] | None = None  # this rank's seconds and counts since the last report
+        self._steps_summed = 0
 
     def attach(self, chunks, engine=None) -> None:
         """Time activation recomputation, the tensor- and expert-parallel collectives of these chunks, and
@@ -109,25 +114,30 @@ class StepObserver:
         self._counts0 = self._counts()
         self.recorder.begin_step(trace=self._step in self.trace_steps)
 
-    def end_step(self, engine=None) -> dict:
-        """Close the step on every rank (collective over the world); the logging rank gets
-        the fields for its metrics line, the other ranks {}."""
+    def end_step(self, engine=None, report: bool = True) -> dict:
+        """Close the step: its seconds and comm counts join this rank's running sums (host
+        floats, no communication). On a `report` step (collective over the world) the sums since
+        the last report go to the logging rank, which gets the fields for its metrics line
+        (per-step means over those steps); every other call returns {}."""
         if self.recorder is None:
             return {}
         timeline = self.recorder.end_step()
         tracing = self._step in self.trace_steps
         serial = engine.time_serial_comm(repeats=1) if tracing and engine is not None else 0.0
         counts = [now - then for now, then in zip(self._counts(), self._counts0)]  # bytes..., calls...
-        mine = torch.tensor(
-            [timeline.wall_s, serial, *(timeline.seconds[c] for c in CATEGORIES), *counts],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        rows = comm.all_gather_dim0(mine.view(1, -1), self.grid.world).cpu()
+        mine = [timeline.wall_s, serial, *(timeline.seconds[c] for c in CATEGORIES), *counts]
+        self._sums = mine if self._sums is None else [a + b for a, b in zip(self._sums, mine)]
+        self._steps_summed += 1
+        if not (report or tracing):
+            return {}
+        n, means = self._steps_summed, torch.tensor(self._sums, dtype=torch.float64) / self._steps_summed
+        means[1] = serial  # the replay is measured on this (traced) step only: not a mean
+        self._sums, self._steps_summed = None, 0
+        rows = comm.gather_dim0(means.view(1, -1).to(self.device), self.grid.world)
         per_rank = self._gather_events(timeline.events) if tracing else None
         if not self.is_logger:
             return {}
-        return self._write(rows, per_rank)
+        return self._write(rows.cpu(), per_rank, n)
 
     def _counts(self) -> list[int]:
         """Bytes, then calls, recorded so far on each of GROUPS (0 for a group this rank lacks)."""
@@ -137,13 +147,15 @@ class StepObserver:
     def _gather_events(self, events: list) -> list | None:
         return comm.gather_objects(events, self.grid.world)
 
-    def _write(self, rows: torch.Tensor, per_rank: list | None) -> dict:
+    def _write(self, rows: torch.Tensor, per_rank: list | None, steps: int) -> dict:
         n, g = len(CATEGORIES), len(GROUPS)
         wall, serial = rows[:, 0], rows[:, 1]
         seconds, nbytes, calls = rows[:, 2 : 2 + n], rows[:, 2 + n : 2 + n + g], rows[:, 2 + n + g :]
         if self._detail is None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._detail = open(self.log_dir / "spans.jsonl", "a", encoding="utf-8")
+        if self._coords is None:  # rank 0's table of every rank's coordinates, built on first use
+            self._coords = [self.grid.layout.coords(r) for r in range(self.grid.layout.world_size)]
         ranks = []
         for r in range(rows.shape[0]):
             ranks.append(
@@ -156,13 +168,14 @@ class StepObserver:
                     "comm_calls": {g: int(calls[r, i]) for i, g in enumerate(GROUPS)},
                 }
             )
-        self._detail.write(json.dumps({"step": self._step, "ranks": ranks}) + "\n")
+        self._detail.write(json.dumps({"step": self._step, "steps": steps, "ranks": ranks}) + "\n")
         self._detail.flush()
         if per_rank is not None:
             if self._trace is None:
                 self._trace = TraceFile(self.log_dir, list(enumerate(self._coords)))
             self._trace.add_step(self._step, list(enumerate(per_rank)), float(wall.max()))
         fields = {
+            "span_steps": steps,
             "span_step_s": {"mean": float(wall.mean()), "max": float(wall.max())},
             "time_s": {
                 "mean": {c: float(seconds[:, i].mean()) for i, c in enumerate(CATEGORIES)},

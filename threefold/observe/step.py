@@ -31,7 +31,8 @@ class StepResult:
     peak_mem_bytes: int
     """The largest peak device memory of any rank."""
     pp_idle_s: float
-    """The most any rank waited for pipeline receives."""
+    """The most any rank waited for pipeline receives (on CUDA, in the previous step: its events
+    are read without waiting for the device, as is the compute time stragglers are judged by)."""
     pp_idle_fraction: float
     tp_comm_bytes: int
     """Bytes this rank's tensor-parallel collectives carried in the step."""

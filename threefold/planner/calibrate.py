@@ -168,7 +168,7 @@ def load_run(path: str, warmup: int | None = None) -> Run:
 
 def _slowest_rank_spans(path: Path, steps: set) -> dict[str, list[float]]:
     """Per SPANS key, the seconds the slowest rank (most compute) spent there, one value per step
-    of `steps` that spans.jsonl records ({} without the file)."""
+    line of spans.jsonl whose steps are all in `steps` ({} without the file)."""
     out: dict[str, list[float]] = {}
     if not path.is_file():
         return out
@@ -178,7 +178,10 @@ def _slowest_rank_spans(path: Path, steps: set) -> dict[str, list[float]]:
         except ValueError:
             continue  # a line cut short by a crash
         ranks = rec.get("ranks") or []
-        if rec.get("step") not in steps or not ranks:
+        # A line averages the `steps` steps up to its own (one per log.interval): it counts
+        # only when every one of them is a step in use (none of the warm-up).
+        last, window = rec.get("step"), rec.get("steps", 1)
+        if not ranks or not isinstance(last, int) or not all(s in steps for s in range(last - window + 1, last + 1)):
             continue
         slowest = max(ranks, key=lambda r: sum(r["time_s"].get(c, 0.0) for c in SPAN_WORK))["time_s"]
         for key, (spans, _) in SPANS.items():

@@ -164,7 +164,7 @@ def step_terms(
     s, h = shape.seq_len, shape.hidden
     m = layout.microbatches(global_batch)
     act = ACT_BYTES[dtype]
-    kp = kg = act
+    kp, kg = act, 4  # working parameters in the run's dtype; gradients reduced in fp32 (the default)
     ko = 12 if dtype == "bf16" else 8
     share = cluster.core_share  # of a core, per process (cpu with more processes than cores; else 1)
     peak = cluster.peak_flops

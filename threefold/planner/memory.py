@@ -1,9 +1,10 @@
 """Per-device memory of a layout: model state by ZeRO stage, activations by Korthikanti et al.
 
 Model state (parameters, gradients, optimizer) uses the ZeRO paper's formulas as implemented
-in `distributed/data_parallel/memory.py` (`predict_memory`): mixed precision 2P + 2P + 12P,
-ZeRO-1 2P + 2P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N; fp32 training 4P + 4P + 8P with the
-same sharding. P is what one device holds before data-parallel sharding: its pipeline stage's
+in `distributed/data_parallel/memory.py` (`predict_memory`) with gradients accumulated and
+reduced in fp32 (train.grad_reduce_dtype auto, Megatron's main grads): mixed precision
+2P + 4P + 12P, ZeRO-1 2P + 4P + 12P/N, ZeRO-2 2P + 16P/N, ZeRO-3 18P/N; fp32 training
+4P + 4P + 8P with the same sharding. P is what one device holds before data-parallel sharding: its pipeline stage's
 layers and embedding/head, divided by tp. Mixture of experts: the routed experts are a second
 state, E_params / ep per device (whole on each TP rank), sharded by ZeRO over expert_dp, the
 tp * dp / ep ranks holding the same experts; the dense part keeps N = dp.
@@ -22,8 +23,9 @@ A rank keeps that for each micro-batch in flight (forward done, backward not yet
     interleaved (Megatron's warm-up): rank 0 holds min(vm, (v-1)p + 2(p-1) + 1) chunks,
     the last rank min(vm, (v-1)p + 1), each chunk L/(pv) layers: p(1 + (p-1)/(pv)) stages' worth.
 
-Added on top: the last rank's head (norm and head inputs 4sbh, fp32 logits for the loss
-4sbV/t, per micro-batch in flight there); full recompute's one layer being recomputed at full
+Added on top: the last rank's head (norm and head inputs 4sbh, the logits the loss keeps for
+backward 2sbV/t: in the activation dtype, since model/loss.py upcasts only one chunk of tokens to
+fp32 at a time; per micro-batch in flight there); full recompute's one layer being recomputed at full
 size; ZeRO-3's gathered layer and its prefetch. The report is the worse of rank 0 and the last.
 """
 
@@ -45,7 +47,8 @@ def _bytes_per_param(dp: int, zero: int, dtype: str) -> tuple[float, float, floa
 
     from threefold.distributed.data_parallel.memory import predict_memory
 
-    pred = predict_memory(1, dp, zero, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+    param_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    pred = predict_memory(1, dp, zero, param_dtype, torch.float32)  # fp32 gradients (the default)
     return pred["params"], pred["grads"], pred["optimizer"]
 
 
@@ -186,7 +189,7 @@ def device_memory(shape: ModelShape, layout: Layout, global_batch: int, dtype: s
     first_inflight, last_inflight = inflight(layout.schedule, p, m, v)
     head_inflight = float(m) if (layout.schedule == "gpipe" and p > 1) else 1.0
     region = t if layout.sp else 1
-    head_acts = (4 * s * b * h / region) * ACT_BYTES[dtype] / 2 + 4 * s * b * V / t
+    head_acts = (4 * s * b * h / region + 2 * s * b * V / t) * ACT_BYTES[dtype] / 2
     kp = ACT_BYTES[dtype]
     buffers = 0.0
     if layout.recompute == "full":

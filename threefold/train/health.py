@@ -1,23 +1,31 @@
-"""Per-step health: one small all_gather tells every rank each rank's compute time and
-whether its loss or gradient was finite.
+"""Per-step health on a flat control plane: one small fused MAX all-reduce per step tells every
+rank whether any rank's loss or gradient was non-finite, and the slowest rank's memory, data wait,
+pipeline wait and compute time; per-rank detail reaches rank 0 only on report steps.
 
-From it every rank takes the same two decisions: skip the step when any rank saw a NaN/Inf
-(the engine's overflow path, so AdamW never sees it), and roll back to the last checkpoint
-after `train.nan_rollback_after` such steps in a row. Rank 0 also names stragglers: a rank
-whose compute time stays above 1.5x the median of its peers for `train.straggler_steps` steps
-in a row. Peers are the ranks of the same pipeline stage (stages do different work: the last
-one computes the head and loss); with one rank per stage, all ranks.
+From the reduced flags every rank takes the same two decisions, on the device: skip the step when
+any rank saw a NaN/Inf (a NaN norm, which the engine's found-inf path turns into an update that
+changes nothing, so AdamW never sees it and no host sync precedes it), and, once the step's
+scalars are read, roll back to the last checkpoint after `train.nan_rollback_after` such steps in
+a row. The all-reduce carries a fixed number of values: its bytes per rank do not grow with the
+world.
+
+Stragglers: each rank keeps its compute time of every step; on report steps (every log.interval
+steps, the last step, traced steps) one gather brings them to rank 0 (O(world) there, rarely,
+O(1) bytes elsewhere), which replays the steps since the last report: a rank whose compute time
+stays above 1.5x the median of its peers for `train.straggler_steps` steps in a row is named.
+Peers are the ranks of the same pipeline stage (stages do different work: the last one computes
+the head and loss); with one rank per stage, all ranks.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from threefold.distributed import comm
 
 STRAGGLER_RATIO = 1.5
+WORST = ("peak_mem_bytes", "data_wait_s", "pp_idle_s", "pp_idle_fraction", "compute_s_max")
+"""The slowest or largest value over ranks of each, after the two flags in the reduced vector."""
 
 
 class NonFiniteRollback(RuntimeError):
@@ -28,11 +36,20 @@ class NonFiniteRollback(RuntimeError):
         self.step, self.count = step, count
 
 
+def host_values(values: list[float], device: torch.device) -> torch.Tensor:
+    """Host floats as a device tensor without waiting for the device: on CUDA a pinned staging
+    copy, queued behind the work in flight (a pageable copy would block the host until then)."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=torch.float64, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=torch.float64, device=device)
+
+
 class StepHealth:
     def __init__(
         self, world_group, rollback_after: int, straggler_steps: int, log=print, stage_of: list[int] | None = None
     ):
-        """`stage_of[r]`: rank r's pipeline stage (None: all ranks do the same work)."""
+        """`stage_of[r]`: rank r's pipeline stage (None: all ranks do the same work); only the
+        group's first rank, which names stragglers, needs it."""
         self.world, self.rollback_after, self.straggler_steps, self.log = (
             world_group,
             rollback_after,
@@ -40,38 +57,75 @@ class StepHealth:
             log,
         )
         n = world_group.size
-        stage_of = stage_of or [0] * n
-        peers = [[r for r in range(n) if stage_of[r] == s] for s in sorted(set(stage_of))]
-        self.peers = peers if any(len(g) > 1 for g in peers) else [list(range(n))]
-        self.slow_streak = [0] * n
-        self.fast_streak = [0] * n
+        self.names_stragglers = getattr(world_group, "rank", 0) == 0
+        if self.names_stragglers:
+            stage_of = stage_of or [0] * n
+            peers = [[r for r in range(n) if stage_of[r] == s] for s in sorted(set(stage_of))]
+            self.peers = peers if any(len(g) > 1 for g in peers) else [list(range(n))]
+            self.slow_streak = [0] * n
+            self.fast_streak = [0] * n
         self.named: set[int] = set()
         self.skipped = 0
         self.nonfinite = 0
         self.in_a_row = 0
         self.last: dict = {}
+        self.pending: torch.Tensor | None = None
+        """The step's reduced vector (flags, then WORST), until settle() reads it."""
+        self._times: list[float] = []
 
     def agree(
-        self, grad_norm: torch.Tensor, loss_sum: torch.Tensor, compute_s: float, scaler_enabled: bool
+        self,
+        grad_norm: torch.Tensor,
+        loss_sum: torch.Tensor,
+        compute_s: float,
+        scaler_enabled: bool,
+        worst: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
     ) -> torch.Tensor:
         """The gradient norm every rank must step with: NaN on all ranks when any rank's loss
         or gradient was non-finite (with loss scaling a non-finite gradient alone is an fp16
-        overflow, which the scaler handles and which is not counted as a divergence)."""
-        bad_loss = not bool(torch.isfinite(loss_sum).all())
-        bad_grad = not math.isfinite(float(grad_norm))
-        # On the gradient's device: the world group is NCCL on CUDA.
-        mine = torch.tensor(
-            [compute_s, float(bad_loss or (bad_grad and not scaler_enabled)), float(bad_grad)], device=grad_norm.device
-        )
-        table = comm.all_gather_dim0(mine.view(1, 3), self.world).cpu()
-        self._stragglers(table[:, 0])
-        diverged = bool(table[:, 1].any())
+        overflow, which the scaler handles and which is not counted as a divergence). `worst`:
+        this rank's peak memory, data wait, pipeline wait and idle fraction. One all-reduce,
+        decided on the device; settle() (or record()) does the host's bookkeeping later."""
+        device = grad_norm.device
+        bad_grad = ~torch.isfinite(grad_norm).reshape(())
+        diverged = ~torch.isfinite(loss_sum).all()
+        if not scaler_enabled:
+            diverged = diverged | bad_grad
+        mine = torch.cat([torch.stack([diverged, bad_grad]).double(), host_values([*worst, compute_s], device)])
+        self.pending = comm.all_reduce_max(mine, self.world)
+        self._times.append(compute_s)
+        skip = (self.pending[0] + self.pending[1]) > 0
+        return torch.where(skip, torch.full_like(grad_norm, float("nan")), grad_norm)
+
+    def settle(self, values: list[float] | None = None) -> dict:
+        """The host's side of the step once its reduced vector is read (`values`: read by the
+        caller with the step's other scalars, one host read per step; None reads it here):
+        divergence counters; returns the slowest rank's WORST values."""
+        if self.pending is None:
+            return {}
+        values = self.pending.tolist() if values is None else values
+        self.pending = None
+        diverged = values[0] > 0
         self.nonfinite += diverged
         self.in_a_row = self.in_a_row + 1 if diverged else 0
-        self.last = {"compute_s_max": float(table[:, 0].max()), "compute_s_median": float(table[:, 0].median())}
-        if diverged or bool(table[:, 2].any()):
-            return torch.full_like(grad_norm, float("nan"))
-        return grad_norm
+        worst = dict(zip(WORST, values[2:]))
+        self.last = {"compute_s_max": worst["compute_s_max"]}
+        return worst
+
+    def report(self) -> None:
+        """On a report step (collective over the world): every rank's compute times since the
+        last report to rank 0, which names and clears stragglers over those steps."""
+        if not self._times:
+            return
+        device = self.world.device or torch.device("cpu")
+        table = comm.gather_dim0(torch.tensor([self._times], dtype=torch.float64, device=device), self.world)
+        self._times = []
+        if table is None or not self.names_stragglers:
+            return
+        table = table.cpu()
+        for column in table.T:
+            self._stragglers(column)
+        self.last["compute_s_median"] = float(table[:, -1].median())
 
     def _stragglers(self, times: torch.Tensor) -> None:
         if not self.straggler_steps:
@@ -101,13 +155,12 @@ class StepHealth:
 
     def record(self, step: int, applied: bool) -> dict:
         """Counters of the run so far, for the metrics of the step just taken."""
+        self.settle()
         self.skipped += not applied
-        return {
-            "steps_skipped": self.skipped,
-            "nonfinite_steps": self.nonfinite,
-            "stragglers": sorted(self.named),
-            **self.last,
-        }
+        out = {"steps_skipped": self.skipped, "nonfinite_steps": self.nonfinite, "stragglers": sorted(self.named)}
+        out.update(self.last)
+        self.last.pop("compute_s_median", None)  # a report step's figure, not carried to the next steps
+        return out
 
     @property
     def rollback_due(self) -> bool:

@@ -16,7 +16,8 @@ import tempfile
 
 USAGE = """threefold memory [--config FILE] [--section.key VALUE ...] [--json]
   runs one training step of the configuration and prints, per rank, measured and predicted
-  bytes of parameters, gradients, optimizer state and peak activations"""
+  bytes of parameters, gradients, optimizer state and peak activations, and the peak
+  tensor bytes of start-up (model built and initialized, engine and optimizer made)"""
 
 COLUMNS = ("params", "grads", "optimizer", "activations")
 
@@ -36,7 +37,7 @@ def format_rows(rows: list[dict], title: str) -> str:
         "measured / predicted per rank; ratio = measured / predicted of the total",
         f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>3}  "
         + "  ".join(f"{c:>23}" for c in COLUMNS)
-        + f"  {'total':>23} {'ratio':>6}",
+        + f"  {'total':>23} {'ratio':>6} {'startup peak':>12}",
     ]
     for r in rows:
         meas, pred = r["measured"], r["predicted"]
@@ -49,10 +50,11 @@ def format_rows(rows: list[dict], title: str) -> str:
         lines.append(
             f"{r['rank']:>4} {r['tp']:>3} {r['pp']:>3} {r['dp']:>3}  "
             + "  ".join(cells)
-            + f"  {_size(total_m):>10} / {total_p_cell:>10} {ratio:>6.3f}"
+            + f"  {_size(total_m):>10} / {total_p_cell:>10} {ratio:>6.3f} {_size(r.get('startup_peak')):>12}"
         )
     if any(r["predicted"]["activations"] is None for r in rows):
         lines.append("activations: '-' = no formula for MoE layers (measured only; ratio over the other columns)")
+    lines.append("startup peak: most tensor bytes held at once while the model and engine were built (measured)")
     return "\n".join(lines)
 
 

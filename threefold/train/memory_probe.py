@@ -9,17 +9,25 @@ Measured, on every rank:
                                backward without parallel.free_sent_outputs); parameters excluded
 Predicted:
   params / grads / optimizer   ZeRO's formulas on this rank's parameter count
-                               (data_parallel/memory.py: 2P + 2P + 12P, ..., 16P/N)
+                               (data_parallel/memory.py: 2P + 4P + 12P, ..., 18P/N under bf16)
   activations                  the per-layer formula of observe/activations.py for this model,
                                times the layers of each chunk and the micro-batches the schedule
                                keeps in flight at its worst moment, plus the last stage's norm,
-                               head input and fp32 logits. MoE layers are not covered by the
+                               head input and logits. MoE layers are not covered by the
                                formula: their ranks show measured activations only.
+Start-up (measured only):
+  startup_peak                 the most tensor bytes allocated at once from the probe's creation
+                               (just before the Trainer is built) to the start of the first
+                               measured step: model construction and initialization, the
+                               engine's buffers and optimizer state (AllocationPeak). ZeRO 3
+                               builds one unit at a time, so its peak is about this rank's
+                               shards plus one unit (docs/data_parallel.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import nn
@@ -64,9 +72,10 @@ def predicted_activation_bytes(cfg: Config, grid, chunks: list[nn.Module], eleme
     layers = [len(c.layers) for c in chunks]
     heads = {i for i, c in enumerate(chunks) if c.head is not None}
     # Last stage per micro-batch: final-norm input and output (sbh each, sequence-split under SP)
-    # and the fp32 logits the loss keeps (sbV/t).
+    # and the logits the loss keeps, in the working dtype (sbV/t: the chunked loss upcasts one
+    # chunk at a time and saves none of it).
     sbh = s * b * h / (p.tp if p.sp else 1) * element_size
-    head = 2 * sbh + 4 * s * b * m.vocab / p.tp
+    head = 2 * sbh + element_size * s * b * m.vocab / p.tp
     # A chunk that sends its output keeps it until its backward; with parallel.free_sent_outputs
     # only until it is sent, so at the peak (the end of a forward) just the output being made.
     senders = set(range(len(chunks))) - heads
@@ -76,15 +85,76 @@ def predicted_activation_bytes(cfg: Config, grid, chunks: list[nn.Module], eleme
     )
 
 
-class MemoryProbe:
-    """Hooks the training loop calls on the step it measures."""
+class AllocationPeak:
+    """Peak bytes of tensor memory allocated on `device` between start() and stop(), above what
+    was allocated at start().
 
-    def __init__(self):
+    cuda: the caching allocator's own counters (max_memory_allocated). cpu: torch's CPU
+    allocator reports every allocation and free to the profiler while memory profiling is on,
+    storage resizes included (ZeRO 3 frees a unit by resizing its storage to zero); the peak is
+    the running maximum of those reports, in time order. Frees of memory allocated before
+    start() are not reported, so they never lower the figure. Only the threads the profiler
+    follows (the one that called start()) are seen on cpu."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._prof = None
+        self._base = 0
+
+    def start(self) -> AllocationPeak:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        # kineto prints a line to stderr at every start and stop; above level 5 it is quiet.
+        # It reads the level when a profiler first starts, so setting it here is in time.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self._prof.start()
+        return self
+
+    def stop(self) -> int:
+        """The peak bytes since start()."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device) - self._base)
+        self._prof.stop()
+        cpu = torch._C._autograd.DeviceType.CPU
+        events = [
+            (e.start_ns(), e.nbytes())
+            for e in self._prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type() == cpu
+        ]
+        live = peak = 0
+        for _, nbytes in sorted(events, key=lambda e: e[0]):  # stable: same-time reports keep their order
+            live += nbytes
+            peak = max(peak, live)
+        self._prof = None
+        return peak
+
+
+def _current_device() -> torch.device:
+    """The device this worker's tensors go to (train/worker.py has set the current CUDA device)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class MemoryProbe:
+    """Hooks the training loop calls on the step it measures. Create it just before the
+    Trainer: the start-up peak is tracked from then until the first measured step."""
+
+    def __init__(self, device: torch.device | str | None = None):
         self.activations = 0
         self.state: dict[str, dict[str, float]] = {}
+        self._startup: AllocationPeak | None = AllocationPeak(device or _current_device()).start()
+        self.startup_peak: int | None = None
 
     @contextlib.contextmanager
     def watch(self, chunks: list[nn.Module]):
+        if self._startup is not None:
+            self.startup_peak, self._startup = self._startup.stop(), None
         with LiveActivationMeter(nn.ModuleList(chunks)) as meter:
             yield meter
         self.activations = meter.peak_bytes
@@ -108,6 +178,7 @@ class MemoryProbe:
             "dp": grid.dp_rank,
             "ep": grid.ep_rank,
             "measured": {**self.state["measured"], "activations": self.activations},
+            "startup_peak": self.startup_peak,
             "predicted": {
                 **self.state["predicted"],
                 "activations": predicted_activation_bytes(cfg, grid, chunks, size),

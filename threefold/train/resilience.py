@@ -3,8 +3,9 @@
     guard = RunGuard(cfg, grid, chunks, state, start_step, log, scaler)
     guard.step_begins(step)                        # injected kill / hang / NaN
     compute_s = guard.compute_time(step, pipe)     # injected slowness; straggler input
-    norm = guard.agree(norm, loss_sum, compute_s, engine)   # one all_gather: skip NaN globally
-    guard.end_step(step, record, span)             # counters, checkpoint (timed by span), goodput
+    norm = guard.agree(norm, loss_sum, compute_s, engine, worst)  # one MAX all-reduce: skip NaN globally
+    worst = guard.settle(host_values)              # after the step's one host read (guard.pending())
+    guard.end_step(step, record, span, report)     # stragglers (report steps), counters, checkpoint, goodput
     guard.check_rollback(step, metrics)            # K non-finite steps in a row: roll back
     guard.close()
 
@@ -63,7 +64,8 @@ class RunGuard:
             t.nan_rollback_after,
             t.straggler_steps,
             log if is_logger else (lambda *_: None),
-            stage_of=[grid.layout.coords(r)["pp"] for r in range(grid.world.size)],
+            # Only the first rank names stragglers: the others skip the O(world) table.
+            stage_of=[grid.layout.coords(r)["pp"] for r in range(grid.world.size)] if is_logger else None,
         )
         self.goodput = Goodput(cfg.log.dir, enabled=is_logger, continuing=continues_run(start_step))
         # Events of the whole run, every attempt included (steps lost to a failure too): a NaN
@@ -73,7 +75,14 @@ class RunGuard:
         self.ckpt = None
         if c.dir:
             self.ckpt = Checkpointer(
-                c.dir, state, cfg.to_dict(), grid.describe(), c.keep, c.async_save, on_published=self.faults.after_save
+                c.dir,
+                state,
+                cfg.to_dict(),
+                grid.describe(),
+                c.keep,
+                c.async_save,
+                on_published=self.faults.after_save,
+                group=grid.world,
             )
 
     def step_begins(self, step: int) -> None:
@@ -83,12 +92,24 @@ class RunGuard:
         """This rank's compute seconds in the schedule (waits for other stages excluded)."""
         return self.faults.slow(step, sum(pipe.compute_s.values()))
 
-    def agree(self, grad_norm: torch.Tensor, loss_sum: torch.Tensor, compute_s: float, engine) -> torch.Tensor:
-        return self.health.agree(grad_norm, loss_sum, compute_s, engine.scaler.enabled)
+    def agree(
+        self, grad_norm: torch.Tensor, loss_sum: torch.Tensor, compute_s: float, engine, worst=(0.0, 0.0, 0.0, 0.0)
+    ) -> torch.Tensor:
+        return self.health.agree(grad_norm, loss_sum, compute_s, engine.scaler.enabled, worst)
 
-    def end_step(self, step: int, record: dict, span=None) -> None:
+    def pending(self) -> torch.Tensor:
+        """The step's reduced health vector, for the caller's one host read (see settle)."""
+        return self.health.pending
+
+    def settle(self, values: list[float]) -> dict:
+        return self.health.settle(values)
+
+    def end_step(self, step: int, record: dict, span=None, report: bool = True) -> None:
         """Add health counters, save a checkpoint when one is due (its blocking time) and the
-        goodput fields to this step's metrics record. `span("checkpoint")` times the save."""
+        goodput fields to this step's metrics record. `span("checkpoint")` times the save. On a
+        `report` step rank 0 gets every rank's compute times and names stragglers (collective)."""
+        if report:
+            self.health.report()
         record.update(self.health.record(step, not record["step_skipped"]))
         record["segment"] = self.segment
         c, t = self.cfg.checkpoint, self.cfg.train
@@ -100,6 +121,14 @@ class RunGuard:
             with span("checkpoint") if span is not None else contextlib.nullcontext():
                 record["ckpt_block_s"] = self.ckpt.save(step + 1, extra)
             self.goodput.write()
+        elif report and self.ckpt is not None and self.ckpt.in_flight:
+            # An asynchronous save is published at the first report step after it (every rank
+            # is there together; its file is written by now unless the disk is slower than
+            # log.interval steps, which then blocks here), not only when the next save begins.
+            with span("checkpoint") if span is not None else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                self.ckpt.wait()
+                record["ckpt_block_s"] = time.perf_counter() - t0
         record.update(self.goodput.update(record))
 
     def check_rollback(self, step: int, metrics) -> None:

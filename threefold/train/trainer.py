@@ -9,9 +9,10 @@ A step is a short list of phases, each timed as its span category when log.spans
     data_wait         this rank's micro-batches (the prefetcher, or the sampler)
     forward/backward  the pipeline schedule over them: every F, B, W and transfer is its own span
     finalize_grads    every reduction after backward and the global norm (distributed/finalize.py)
-    agree             one all-gather: any rank's NaN/Inf makes every rank skip; stragglers named
-    optimizer         clip and AdamW (ZeRO 1/2 gather the new parameters)
-    sync              the loss, and the slowest rank's memory, data wait and pipeline idle
+    optimizer         one MAX all-reduce (any rank's NaN/Inf makes every rank skip, decided on the
+                      device; the slowest rank's memory, data wait, pipeline wait, compute), clip
+                      and AdamW (ZeRO 1/2 gather the new parameters)
+    sync              the loss (one SUM all-reduce), and the step's one host read
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from threefold.checkpoint import find_resumable, list_checkpoints, load_into, open_checkpoint, training_state
+from threefold.checkpoint import choose, load_into, training_state
 from threefold.config import Config
 from threefold.data import GlobalBatchSampler, Prefetcher, load_tokens
 from threefold.data.split import training_part
 from threefold.data.tokenizer import check_vocab, open_tokenizer
-from threefold.distributed.comm import all_reduce_max, all_reduce_sum
+from threefold.distributed.comm import all_reduce_sum
 from threefold.distributed.data_parallel import MixedPrecision, build_data_parallel
 from threefold.distributed.data_parallel.state import refresh_params
 from threefold.distributed.finalize import finalize_grads
@@ -151,32 +152,35 @@ class Trainer:
         self.status = StatusLine(t.steps, cfg.log.interval, enabled=self.is_logger and not cfg.log.quiet)
         self.heldout = HeldOut(cfg) if t.eval_every else None
         self._last_failure: int | None = None
+        self._last_pipe = None  # the previous step's schedule timers (read one step late on CUDA)
 
     # --- loading ------------------------------------------------------------------------------
     def resume(self, restarted: bool = False) -> int:
         """Load what checkpoint.resume names (a checkpoint of any layout) into this rank's slices, or
         init_from's model weights; returns the step to continue from (data order and LR schedule
-        are functions of the step)."""
-        c = self.cfg.checkpoint
-        step, mode = 0, c.resume
-        if restarted and c.dir and list_checkpoints(Path(c.dir)):
-            mode = "auto"
-        if mode:
-            found = find_resumable(c.dir, warn=self.log) if mode == "auto" else open_checkpoint(mode)
-            if found is None:
+        are functions of the step). Collective: rank 0 picks the checkpoint and every rank loads
+        that one, having verified the files it reads (checkpoint/resume.py)."""
+        c, world = self.cfg.checkpoint, self.grid.world
+        step, found = 0, None
+        if c.dir and (c.resume == "auto" or restarted):
+            found = choose(self.state, world, root=c.dir, warn=self.log)
+            if found is None and c.resume in ("", "auto"):
                 self.log(f"threefold: no checkpoint in {c.dir} yet: starting at step 0")
-            else:
-                step = self.load(*found)
+        if found is None and c.resume not in ("", "auto"):
+            found = choose(self.state, world, path=c.resume, warn=self.log)
+        if found is not None:
+            step = self.load(*found)
         if step == 0 and c.init_from:
-            directory, manifest = open_checkpoint(c.init_from)
+            weights = [s for s in self.state if s.name.startswith("model/")]
+            directory, manifest = choose(weights, world, path=c.init_from, warn=self.log)
             # Fine-tuning: the weights only, into the fp32 masters; moments, step and data start anew.
-            load_into([s for s in self.state if s.name.startswith("model/")], directory, manifest)
+            load_into(weights, directory, manifest)
             refresh_params(self.engine, 0)
             self.log(f"threefold: model weights from {directory} (step {manifest.step}); training starts at step 0")
         return step
 
     def load(self, directory: Path, manifest) -> int:
-        """Every tensor of a verified checkpoint into this rank's slices, the working weights
+        """Every tensor of a checkpoint `choose` picked into this rank's slices, the working weights
         from the loaded masters, and a dynamic loss scale; returns the checkpoint's step."""
         load_into(self.state, directory, manifest)
         refresh_params(self.engine, manifest.extra["optimizer_step"])
@@ -233,37 +237,41 @@ class Trainer:
                 spans=self.observer.recorder,
                 meter=meter,
             )
-        compute_s = self.guard.compute_time(step, pipe)
+        # The schedule's timers: this step's on CPU (host clocks); on CUDA the previous step's,
+        # complete since its host read: this step's events would make the host wait for the
+        # device before the update is queued.
+        timed, self._last_pipe = (pipe if self.device.type != "cuda" else self._last_pipe), pipe
+        compute_s = self.guard.compute_time(step, timed) if timed is not None else 0.0
         norm = finalize_grads(engine, grid, self.partial, self.tied, self.tied_copy, phase)
         with phase("optimizer"):
-            norm = self.guard.agree(norm, loss_sum, compute_s, engine)  # any rank's NaN: all skip
+            # One MAX all-reduce: any rank's NaN makes every rank skip, decided on the device
+            # (a NaN norm), so the update is queued without waiting for the host.
+            waits = (timed.recv_wait_s, timed.idle_fraction) if timed is not None else (0.0, 0.0)
+            worst = (float(peak_memory_bytes(self.device)), data_wait_s, *waits)
+            norm = self.guard.agree(norm, loss_sum, compute_s, engine, worst)
             applied = engine.step(lr, norm, t.grad_clip)
             if self.probe:
                 self.probe.after_step(engine)
             engine.zero_grad()
         with phase("sync"):
-            all_reduce_sum(loss_sum, grid.pp)  # only the last stage computed a loss
-            all_reduce_sum(loss_sum, grid.dp)
-            # One small MAX reduction: the slowest rank's memory, data wait and pipeline idle.
-            worst = all_reduce_max(
-                torch.tensor(
-                    [float(peak_memory_bytes(self.device)), data_wait_s, pipe.recv_wait_s, pipe.idle_fraction],
-                    device=self.device,
-                ),
-                grid.world,
-            )
-            loss, grad_norm, worst = loss_sum.item() / self.tokens_per_step, norm.item(), worst.tolist()
+            # The loss over the world (only the last stage computed one; its TP ranks hold the
+            # same value, so one of them counts it), then the step's one host read.
+            loss_sum = all_reduce_sum(loss_sum * float(grid.tp.rank == 0), grid.world)
+            applied_t = torch.as_tensor(applied, dtype=torch.float64, device=self.device).reshape(1)
+            host = torch.cat([loss_sum.double().reshape(1), norm.double().reshape(1), applied_t, self.guard.pending()])
+            host = host.tolist()
+            worst = self.guard.settle(host[3:])
         return StepResult(
             step + 1,
-            loss,
-            grad_norm,
+            host[0] / self.tokens_per_step,
+            host[1],
             lr,
-            applied,
+            bool(host[2]),
             time.perf_counter() - t0,
-            worst[1],
-            int(worst[0]),
-            worst[2],
-            worst[3],
+            worst["data_wait_s"],
+            int(worst["peak_mem_bytes"]),
+            worst["pp_idle_s"],
+            worst["pp_idle_fraction"],
             grid.tp.stats.total_bytes - tp_bytes0,
             engine.comm_stats()["dp_exposed_s"],
             engine.loss_scale,
@@ -288,22 +296,24 @@ class Trainer:
 
     def _steps(self) -> dict:
         cfg, t, last = self.cfg, self.cfg.train, {}
-        with Prefetcher(self.batches, self.start_step, t.steps, depth=cfg.data.prefetch) as prefetch:
+        prefetcher = Prefetcher(self.batches, self.start_step, t.steps, depth=cfg.data.prefetch, device=self.device)
+        with prefetcher as prefetch:
             for step in range(self.start_step, t.steps):
                 self.guard.step_begins(step)
                 self.observer.begin_step(step)
                 with self.observer.phase("data_wait"):
                     batches, data_wait = prefetch.get(step)
                 result = self.train_step(step, batches, data_wait)
-                result.extra.update(self.expert_load.collect(self.grid.world))
+                report = self.reports(step)  # per-rank detail reaches rank 0 on these steps only
+                result.extra.update(self.expert_load.collect(self.grid.world, report))
                 if self.heldout is not None and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
                     with self.observer.phase("eval"):
                         result.extra["val_loss"] = self.heldout.evaluate(self.chunks, self.grid, cfg)["loss"]
                 last = step_record(result, self.throughput, time.time())
                 # Health counters, the checkpoint when one is due (after step_time: a save blocks the
                 # run and is reported as its own category), goodput, where the time went.
-                self.guard.end_step(step, last, span=self.observer.phase)
-                last.update(self.observer.end_step(self.engine))
+                self.guard.end_step(step, last, span=self.observer.phase, report=report)
+                last.update(self.observer.end_step(self.engine, report))
                 self.metrics.write(last)
                 if last.get("moe_hot_experts") and (step + 1) % cfg.log.interval == 0:
                     self.log(
@@ -315,11 +325,19 @@ class Trainer:
             self.guard.close()
         return last
 
+    def reports(self, step: int) -> bool:
+        """Whether step `step` (0-based) is a report step: every log.interval steps, the last
+        step and the traced ones. Only there do stragglers, spans and expert load go to rank 0:
+        the other steps cost every rank the same, whatever the world size."""
+        n = step + 1
+        return n % self.cfg.log.interval == 0 or n == self.cfg.train.steps or n in self.observer.trace_steps
+
     def rollback(self, err: NonFiniteRollback) -> None:
         """Reload the newest checkpoint on every rank (each took the same decision) and continue
-        from its step; a divergence that comes back no later than last time is an error."""
+        from its step; a divergence that comes back no later than last time is an error. Every
+        rank takes each of these decisions alike (the checkpoint is rank 0's choice, broadcast)."""
         c = self.cfg.checkpoint
-        if not c.dir or not list_checkpoints(Path(c.dir)):
+        if not c.dir:
             raise DivergedError(
                 f"train: {err} and there is no checkpoint to roll back to "
                 "(set checkpoint.dir and checkpoint.interval, or lower train.lr)"
@@ -331,8 +349,11 @@ class Trainer:
         self._last_failure = err.step
         if self.is_logger:
             print(f"threefold: {err}: rolling back to the last checkpoint", file=sys.stderr, flush=True)
-        found = find_resumable(c.dir, warn=self.log)
+        found = choose(self.state, self.grid.world, root=c.dir, warn=self.log)
         if found is None:
-            raise DivergedError(f"train: {err} and no checkpoint in {c.dir} verifies") from None
+            raise DivergedError(
+                f"train: {err} and there is no checkpoint to roll back to in {c.dir} (none saved yet, "
+                "or none verifies: save more often with checkpoint.interval, or lower train.lr)"
+            ) from None
         self.start_step = self.load(*found)
         self._open_records(faults=self.guard.faults)

@@ -48,7 +48,7 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False):
         if measure_memory:
             from threefold.train.memory_probe import MemoryProbe
 
-            probe = MemoryProbe()
+            probe = MemoryProbe(device)
         result = Trainer(cfg, grid, device, probe=probe, restarted=env.restart_count > 0).train()
         shutdown_distributed()
         return result

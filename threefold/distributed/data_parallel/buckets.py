@@ -35,6 +35,7 @@ import torch
 from threefold.distributed import comm
 from threefold.distributed.comm import Group
 from threefold.distributed.data_parallel.layout import BucketLayout
+from threefold.observe.timer import DeviceTimer
 
 
 class Bucket:
@@ -122,7 +123,7 @@ class GradBuckets:
         self.as_views = grads_as_views and not self.sharded
         self.sync = True
         self.on_bucket_backward_done: list = []  # callbacks(bucket index), e.g. ZeRO-3 resharding
-        self._exposed = 0.0
+        self._exposed = DeviceTimer(device)  # the last finish()'s blocked time
         self.t_backward_end = self.t_done = 0.0
         self.launched_in_backward = 0
         self._hooks = []
@@ -222,8 +223,11 @@ class GradBuckets:
         """Called once backward has ended: reduce what has not been launched yet (buckets
         held back by a parameter without gradient, or a step run entirely under no_sync), then
         wait for everything."""
-        t0, events = time.perf_counter(), None
+        t0 = time.perf_counter()
         self.t_backward_end = t0
+        # On CUDA wait() only stalls the stream: the timer times the stall with events there.
+        self._exposed = DeviceTimer(self.device)
+        token = self._exposed.start()
         if not self.as_views:  # a .grad set outside autograd's accumulation: fold it in
             for i, p in enumerate(self.params):
                 if p.grad is not None:
@@ -231,29 +235,21 @@ class GradBuckets:
                     self.accumulate(i, grad)
         for bucket in self.buckets:
             bucket.arrived.clear()
-        if self.device.type == "cuda":  # wait() only stalls the stream: time the stall with events
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
         for bucket in self.buckets:
             if bucket.pending:
                 bucket.start()
         for bucket in self.buckets:
             if bucket.in_flight:
                 bucket.finish()
-        if events is not None:
-            events[1].record()
+        self._exposed.stop(token)
         self.t_done = time.perf_counter()
-        self._exposed = events or self.t_done - t0
         for bucket in self.buckets:
             bucket.launched = False
 
     @property
     def exposed_s(self) -> float:
         """Seconds of dp gradient communication left after backward, in the last finish()."""
-        if isinstance(self._exposed, tuple):
-            self._exposed[1].synchronize()
-            return self._exposed[0].elapsed_time(self._exposed[1]) / 1e3
-        return self._exposed
+        return self._exposed.seconds
 
     def zero_grad(self) -> None:
         """Zero the gradients in place: ZeRO 0/1's buffer (param.grad views stay valid), ZeRO

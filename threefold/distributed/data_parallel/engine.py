@@ -25,7 +25,7 @@ from torch import nn
 from threefold.distributed import comm
 from threefold.distributed.data_parallel.buckets import GradBuckets
 from threefold.distributed.data_parallel.layout import Segment, build_layout
-from threefold.distributed.data_parallel.params import FlatParams, ShardedParams, pack_bucket
+from threefold.distributed.data_parallel.params import FlatParams, ShardedParams, storage_device
 from threefold.distributed.data_parallel.precision import LossScaler, MixedPrecision
 from threefold.distributed.data_parallel.zero import ZeroAdamW
 from threefold.errors import ConfigError
@@ -86,19 +86,16 @@ class DataParallel:
             solo={i for i, p in enumerate(params) if id(p) in solo_ids},
         )
         rank = self.group.rank if shards > 1 else 0
-        # fp32 master values come from the parameters as built, before any cast down.
-        master_init = None
+        # fp32 master values come from the parameters as built (or their deferred initial
+        # values), before any cast down: the store writes this rank's slices in as it lays
+        # each bucket out, so no full-size fp32 copy of a bucket outlives its packing.
+        master = None
         if pdt != torch.float32:
-            master_init = []
-            for b in self.layout.buckets:
-                lo, hi = b.shard_range(rank)
-                master_init.append(
-                    pack_bucket(params, self.layout, b.index, torch.float32)[lo - b.start : hi - b.start]
-                )
-        if self.zero == 3:
-            self.store = ShardedParams(params, self.layout, pdt, self.group)
+            master = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=storage_device(params))
+        if self.zero == 3:  # unit by unit: start-up holds the shard plus one unit (params.py)
+            self.store = ShardedParams(params, self.layout, pdt, self.group, master)
         else:
-            self.store = FlatParams(params, self.layout, pdt, rank)
+            self.store = FlatParams(params, self.layout, pdt, rank, master)
         self.grads = GradBuckets(
             params,
             self.layout,
@@ -109,7 +106,7 @@ class DataParallel:
             grads_as_views=(gdt == pdt and self.zero < 2),
         )
         self.optimizer = ZeroAdamW(
-            self.layout, self.group, self.zero, self.store.owned(), master_init, betas, eps, weight_decay
+            self.layout, self.group, self.zero, self.store.owned(), master, betas, eps, weight_decay
         )
         self._handles = []
         if self.zero == 3:
@@ -119,6 +116,7 @@ class DataParallel:
         self._rank = rank
         self._index = {id(p): i for i, p in enumerate(params)}
         self._norm_segments = self._tp_norm_segments()
+        self._norm_cache: dict = {}
 
     @property
     def parts(self) -> list[DataParallel]:
@@ -213,28 +211,48 @@ class DataParallel:
         (e.g. pipeline stages). `exclude`: copies counted elsewhere (a tied embedding's copy in
         the last pipeline stage). Non-finite = overflow."""
         owned = self._held()  # zero 0/1: the whole reduced gradient, normed without dp traffic
-        skip = {self._index[id(p)] for p in exclude}
-        segs = [seg for seg in self._norm_segments if seg.key[1] not in skip]
+        views, index = self._norm_views(owned, frozenset(self._index[id(p)] for p in exclude))
         # One fused kernel for all pieces (fp32 accumulation for bf16/fp16 gradients).
-        views = [owned[seg.bucket][seg.lo : seg.hi] for seg in segs]
         norms = torch._foreach_norm(views, 2, dtype=torch.float32) if views else []
         sq = torch.stack(norms).pow(2) if norms else torch.zeros(1, device=owned[0].device)
-        keys = [seg.key[0] for seg in segs]
-        replicated = sq[[i for i, k in enumerate(keys) if k is None]].sum()
-        per_group = {k: sq[[i for i, k2 in enumerate(keys) if k2 == k]].sum() for k in set(keys) if k is not None}
-        total = replicated
-        for (name, replicas), sq in sorted(per_group.items(), key=lambda kv: kv[0]):
-            total = total + comm.all_reduce(sq / replicas, self._tp_groups[name])
+        total = sq[index[None]].sum() if None in index else torch.zeros((), device=sq.device)
+        for name, replicas in sorted(k for k in index if k is not None):
+            total = total + comm.all_reduce(sq[index[name, replicas]].sum() / replicas, self._tp_groups[name])
         if self.zero >= 2:  # the owned slices partition the gradient
             comm.all_reduce(total, self.group)
         for group in groups:
             comm.all_reduce(total, group)
         return total
 
-    def step(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> bool:
-        """Clip to `max_norm` (0 = off) and apply AdamW; False when the step was skipped
-        because the norm is not finite (fp16 overflow under loss scaling, or a NaN/Inf loss or
-        gradient). Every rank decides the same way: the norm is global."""
+    def _norm_views(self, owned: list[torch.Tensor], skip: frozenset) -> tuple[list, dict]:
+        """The gradient views grad_sq norms and, per (group, replicas) key (None: replicated),
+        a device index of their positions: built once per `exclude` and buffer set, not per
+        step (zero 0/1 hold every dp rank's range: O(dp x params) views), and indexed on the
+        device without a host-to-device copy each step."""
+        ptrs = tuple(t.data_ptr() for t in owned)
+        cached = self._norm_cache.get(skip)
+        if cached is None or cached[0] != ptrs:
+            segs = [seg for seg in self._norm_segments if seg.key[1] not in skip]
+            positions: dict = {}
+            for i, seg in enumerate(segs):
+                positions.setdefault(seg.key[0], []).append(i)
+            device = owned[0].device
+            index = {k: torch.tensor(v, dtype=torch.long, device=device) for k, v in positions.items()}
+            cached = (ptrs, [owned[seg.bucket][seg.lo : seg.hi] for seg in segs], index)
+            self._norm_cache[skip] = cached
+        return cached[1], cached[2]
+
+    def step(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> bool | torch.Tensor:
+        """Clip to `max_norm` (0 = off) and apply AdamW; not applied when the norm is not finite
+        (fp16 overflow under loss scaling, or a NaN/Inf loss or gradient: a caller flags a
+        skip by handing in a NaN norm). Every rank decides the same way: the norm is global.
+        Returns whether it was applied: with the fused optimizer and no loss scaling a 0-d
+        bool tensor on the device (the decision stays there, so nothing waits for the host
+        before the update: read it with the step's other scalars), otherwise a bool."""
+        if self.optimizer.fused and not self.scaler.enabled:
+            found_inf = (~torch.isfinite(grad_norm)).float()
+            self.apply_update(lr, grad_norm, max_norm, found_inf)
+            return found_inf == 0
         norm = float(grad_norm)
         if self.scaler.enabled and not self.scaler.update(norm):
             return False
@@ -243,15 +261,18 @@ class DataParallel:
         self.apply_update(lr, grad_norm, max_norm)
         return True
 
-    def apply_update(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> None:
-        """Clip and AdamW, the loss scaler already consulted (step() without the skip decision)."""
+    def apply_update(
+        self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0, found_inf: torch.Tensor | None = None
+    ) -> None:
+        """Clip and AdamW, the loss scaler already consulted (step() without the skip decision);
+        `found_inf`: the fused optimizer's on-device skip flag."""
         scale = None
         if max_norm > 0:  # the same coefficient as train.optim.clip_gradients
             scale = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
         if self.scaler.enabled:
             scale = (scale if scale is not None else 1.0) / self.scaler.scale
             scale = torch.as_tensor(scale, dtype=torch.float32, device=self.grads.device)
-        self.optimizer.step(self.grads.owned(), lr, scale)
+        self.optimizer.step(self.grads.owned(), lr, scale, found_inf)
         if self.zero in (1, 2):  # every rank updated its slices: rebuild the replicated buffer
             self.optimizer.gather([self.store.bucket_view(b.index) for b in self.layout.buckets])
 

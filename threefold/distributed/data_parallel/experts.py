@@ -23,12 +23,20 @@ from threefold.distributed.data_parallel.engine import DataParallel
 from threefold.model.moe import expert_parameters
 
 
-def build_data_parallel(chunks: list[nn.Module], grid, **kwargs):
-    """One engine over grid.dp, or the dense + expert pair when `chunks` hold routed experts."""
+def build_data_parallel(chunks: list[nn.Module], grid, fused_adamw: bool | None = None, **kwargs):
+    """One engine over grid.dp, or the dense + expert pair when `chunks` hold routed experts.
+    `fused_adamw`: torch's fused AdamW kernel (None: where the parameters live on CUDA; on CPU
+    the foreach path stays, whose updates are bit-identical to torch.optim.AdamW's)."""
     experts = expert_parameters(chunks)
     if not experts:
-        return DataParallel(chunks, grid, **kwargs)
-    return ExpertDataParallel(chunks, grid, {id(p) for p in experts}, **kwargs)
+        engine = DataParallel(chunks, grid, **kwargs)
+    else:
+        engine = ExpertDataParallel(chunks, grid, {id(p) for p in experts}, **kwargs)
+    if fused_adamw is None:
+        fused_adamw = next(p for c in chunks for p in c.parameters()).device.type == "cuda"
+    for part in engine.parts:
+        part.optimizer.fused = fused_adamw
+    return engine
 
 
 class ExpertDataParallel:
@@ -75,8 +83,13 @@ class ExpertDataParallel:
             comm.all_reduce(total, group)
         return total.sqrt() / self.scaler.scale
 
-    def step(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> bool:
+    def step(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> bool | torch.Tensor:
         """DataParallel.step's decision (overflow, NaN/Inf: skip) once, then both updates."""
+        if self.dense.optimizer.fused and not self.scaler.enabled:
+            found_inf = (~torch.isfinite(grad_norm)).float()
+            for e in self.parts:
+                e.apply_update(lr, grad_norm, max_norm, found_inf)
+            return found_inf == 0
         norm = float(grad_norm)
         if self.scaler.enabled and not self.scaler.update(norm):
             return False

@@ -8,9 +8,11 @@ for mixed-precision Adam: fp32 master + two fp32 moments):
     stage 2: 2P + (2P + 12P)/N = 2P + 14P/N                 4P + (4P + 8P)/N
     stage 3: (2P + 2P + 12P)/N = 16P/N                      16P/N
 
-(params + grads + optimizer state). In fp32 training the master weights are the parameters
-themselves, so optimizer state is 8 bytes (two moments). With fp32 gradient reduction under
-bf16 parameters the gradient term is 4P instead of 2P. `predict_memory` covers all of these;
+(params + grads + optimizer state), the paper's 16-bit gradients. threefold's default under
+bf16/fp16 (train.grad_reduce_dtype auto) keeps fp32 gradients, as Megatron does: the gradient
+term is 4P instead of 2P (stage 0 18P, stage 1 6P + 12P/N, stage 2 2P + 16P/N, stage 3 18P/N);
+grad_reduce_dtype bf16 gives the table above. In fp32 training the master weights are the
+parameters themselves, so optimizer state is 8 bytes (two moments). `predict_memory` covers all of these;
 it needs only numbers, so `threefold memory` can call it without building a model.
 
 Measurement counts each storage once (parameters are views of flat buffers, fp32 master

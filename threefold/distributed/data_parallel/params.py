@@ -17,7 +17,6 @@ autograd saved for backward see the data again once it is gathered back.
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 from torch import nn
@@ -25,32 +24,60 @@ from torch import nn
 from threefold.distributed import comm
 from threefold.distributed.comm import Group
 from threefold.distributed.data_parallel.layout import BucketLayout
+from threefold.model.meta import adopt, deferred, initial_value
+from threefold.observe.timer import DeviceTimer
 
 READY = "ready"  # unit state: None = freed, READY = gathered, otherwise an in-flight Work
 
 
-def pack_bucket(params: list[torch.Tensor], layout: BucketLayout, b: int, dtype: torch.dtype) -> torch.Tensor:
-    """Bucket `b` as one padded flat tensor of `dtype`, from the parameters' current values."""
+def storage_device(params: list[torch.Tensor]) -> torch.device:
+    """Where the parameters' storage goes: a deferred parameter's target device (model/meta.py)."""
+    record = deferred(params[0])
+    return record.device if record is not None else params[0].device
+
+
+def place_bucket(
+    params: list[nn.Parameter], layout: BucketLayout, b: int, full: torch.Tensor, rank: int, master: torch.Tensor | None
+) -> None:
+    """Write every parameter of bucket `b` into `full` (the bucket's padded buffer, any dtype)
+    and make it a view of its slot there; the part of each in `rank`'s slice also goes into
+    `master` (fp32, `rank`'s shard space), when given. A parameter still on the meta device
+    (deferred) gets its initial value here, one parameter at a time; one with storage gives
+    its current value, and its old storage is released."""
     bucket = layout.buckets[b]
-    flat = torch.zeros(bucket.numel, dtype=dtype, device=params[0].device)
+    lo, hi = bucket.shard_range(rank)
     for i in bucket.slots:
-        s = layout.slots[i]
-        flat[s.start - bucket.start : s.start - bucket.start + s.numel].copy_(params[i].detach().reshape(-1))
-    return flat
+        s, p = layout.slots[i], params[i]
+        values = (initial_value(p) if deferred(p) is not None else p.detach()).reshape(-1)
+        view = full[s.start - bucket.start : s.start - bucket.start + s.numel]
+        view.copy_(values)
+        a, z = max(lo, s.start), min(hi, s.start + s.numel)
+        if master is not None and a < z:
+            at = bucket.shard_offset + a - lo
+            master[at : at + z - a].copy_(values[a - s.start : z - s.start])
+        if deferred(p) is not None:
+            adopt(p, view.view(s.shape))
+        else:
+            p.data = view.view(s.shape)
 
 
 class FlatParams:
-    """ZeRO 0-2: every parameter is a view of one flat buffer of the working dtype."""
+    """ZeRO 0-2: every parameter is a view of one flat buffer of the working dtype. `master`:
+    filled with this rank's fp32 slices of the parameters' values (see place_bucket)."""
 
-    def __init__(self, params: list[nn.Parameter], layout: BucketLayout, dtype: torch.dtype, shard_rank: int):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        layout: BucketLayout,
+        dtype: torch.dtype,
+        shard_rank: int,
+        master: torch.Tensor | None = None,
+    ):
         self.layout, self.shard_rank = layout, shard_rank
-        self.flat = torch.zeros(layout.numel, dtype=dtype, device=params[0].device)  # padding stays 0
+        self.flat = torch.zeros(layout.numel, dtype=dtype, device=storage_device(params))  # padding stays 0
         with torch.no_grad():
-            for i, p in enumerate(params):
-                s = layout.slots[i]
-                view = self.flat[s.start : s.start + s.numel]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view(s.shape)  # the parameter's old storage is released
+            for b in layout.buckets:
+                place_bucket(params, layout, b.index, self.bucket_view(b.index), shard_rank, master)
 
     def bucket_view(self, b: int) -> torch.Tensor:
         bucket = self.layout.buckets[b]
@@ -62,25 +89,37 @@ class FlatParams:
 
 
 class ShardedParams:
-    """ZeRO 3: per bucket, this rank's slice persists; the full bucket exists only while used."""
+    """ZeRO 3: per bucket, this rank's slice persists; the full bucket exists only while used.
 
-    def __init__(self, params: list[nn.Parameter], layout: BucketLayout, dtype: torch.dtype, group: Group):
+    Built unit by unit: a unit's bucket is filled (deferred parameters get their initial
+    values straight into it), its slice copied into the shard (and the fp32 `master`, when
+    given), and the bucket freed before the next one is made. Start-up therefore holds the
+    shard plus one unit, never the rank's whole model (with parallelize.build_model's
+    `defer_init`; parameters built with storage are released as their unit is packed)."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        layout: BucketLayout,
+        dtype: torch.dtype,
+        group: Group,
+        master: torch.Tensor | None = None,
+    ):
         self.layout, self.group, self.dtype = layout, group, dtype
-        self.shard = torch.empty(layout.shard_numel, dtype=dtype, device=params[0].device)
+        device = storage_device(params)
+        self.shard = torch.empty(layout.shard_numel, dtype=dtype, device=device)
         self.full: list[torch.Tensor] = []
         self.state: list = []
         with torch.no_grad():
             for b in layout.buckets:
-                full = pack_bucket(params, layout, b.index, dtype)
+                full = torch.zeros(b.numel, dtype=dtype, device=device)  # padding stays 0
+                place_bucket(params, layout, b.index, full, group.rank, master)
                 lo, hi = b.shard_range(group.rank)
                 self.shard[b.shard_offset : b.shard_offset + b.shard_numel].copy_(full[lo - b.start : hi - b.start])
-                for i in b.slots:
-                    s = layout.slots[i]
-                    params[i].data = full[s.start - b.start : s.start - b.start + s.numel].view(s.shape)
                 self.full.append(full)
                 self.state.append(READY)
                 self.free(b.index)
-        self.gather_wait_s = 0.0  # time blocked on parameter all-gathers (not hidden by prefetch)
+        self.gather_wait = DeviceTimer(self.shard.device)  # blocked on parameter all-gathers (not hidden by prefetch)
         self.spans = None  # a span recorder (threefold.observe) timing that wait as dp_exposed, or None
 
     def owned(self) -> list[torch.Tensor]:
@@ -102,14 +141,24 @@ class ShardedParams:
         """Make bucket `b`'s parameters whole, waiting for its all-gather if needed."""
         if self.state[b] is READY:
             return
-        t0 = time.perf_counter()
+        t0 = self.gather_wait.start()  # on CUDA an event pair: wait() only stalls the stream
         with contextlib.nullcontext() if self.spans is None else self.spans.span("dp_exposed", "zero-3 gather"):
             if self.state[b] is None:
                 self._launch(b)
             if self.state[b] is not READY:
                 self.state[b].wait()
         self.state[b] = READY
-        self.gather_wait_s += time.perf_counter() - t0
+        self.gather_wait.stop(t0)
+
+    @property
+    def gather_wait_s(self) -> float:
+        """Seconds blocked on parameter all-gathers since the last reset (assigning resets it)."""
+        return self.gather_wait.seconds
+
+    @gather_wait_s.setter
+    def gather_wait_s(self, seconds: float) -> None:
+        self.gather_wait.reset()
+        self.gather_wait.add(seconds)
 
     def free(self, b: int) -> None:
         if self.state[b] is None:

@@ -1,7 +1,9 @@
 """Mixed-precision policy and dynamic loss scaling.
 
 The model's working parameters (and so its activations and autograd gradients) are in
-`param_dtype`; gradients are accumulated and reduced over dp in `reduce_dtype`; the
+`param_dtype`; gradients are accumulated and reduced over dp in `reduce_dtype`, fp32 unless
+set (Megatron's fp32 main grads: summing many micro-batches' and ranks' bf16 gradients in bf16
+drops their low bits; 2 extra bytes per parameter under bf16/fp16, and twice the dp traffic); the
 optimizer always keeps fp32 master weights and fp32 Adam moments (the 12 bytes/parameter of
 the ZeRO paper). fp16 has a narrow exponent range, so it needs loss scaling: the loss is
 multiplied by a scale before backward, and a step whose gradients overflowed is skipped and
@@ -23,7 +25,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass(frozen=True)
 class MixedPrecision:
     """param_dtype: model weights/activations; reduce_dtype: gradient buffers and dp reduction
-    (None = same as param_dtype); loss_scale: None, "dynamic", or a fixed float."""
+    (None = fp32); loss_scale: None, "dynamic", or a fixed float."""
 
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype | None = None
@@ -53,7 +55,7 @@ class MixedPrecision:
 
     @property
     def grad_dtype(self) -> torch.dtype:
-        return self.reduce_dtype or self.param_dtype
+        return self.reduce_dtype or torch.float32
 
     @classmethod
     def from_names(
@@ -64,7 +66,7 @@ class MixedPrecision:
         initial_scale: float = 2.0**16,
         growth_interval: int = 1000,
     ) -> MixedPrecision:
-        """From config strings: dtype fp32|bf16|fp16; reduce_dtype auto|fp32|bf16|fp16;
+        """From config strings: dtype fp32|bf16|fp16; reduce_dtype auto (= fp32)|fp32|bf16|fp16;
         loss_scale auto (dynamic for fp16, none otherwise)|none|dynamic|<number>; a dynamic
         scale starts at `initial_scale` and doubles after `growth_interval` clean steps."""
         if dtype not in DTYPES:

@@ -21,7 +21,6 @@ collective over the pipeline group came next (the gradient norm's).
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +31,7 @@ from threefold.distributed.comm import Group
 from threefold.distributed.pipeline.p2p import WireFormat
 from threefold.distributed.pipeline.schedules import Action, group_batches
 from threefold.distributed.pipeline.weight_grad import WeightGradStore
+from threefold.observe.timer import DeviceTimer
 
 _SPAN_OF = {"F": "forward", "B": "backward", "W": "weight_grad"}
 _UNTIMED = contextlib.nullcontext()
@@ -41,18 +41,33 @@ def _untimed(category, label=None):
     return _UNTIMED
 
 
-@dataclass
 class PipelineStats:
-    """What one step of the schedule cost this rank."""
+    """What one step of the schedule cost this rank. Times are DeviceTimers: host perf_counter on
+    CPU; on CUDA event pairs on the stream (the host only launches F/B/W and NCCL's wait() returns
+    at once), resolved by one synchronize when a figure is first read after the step."""
 
-    wall_s: float = 0.0
-    recv_wait_s: float = 0.0
-    compute_s: dict = field(default_factory=lambda: {"F": 0.0, "B": 0.0, "W": 0.0})
-    sent_bytes: int = 0
+    def __init__(self, device: torch.device | str | None = None):
+        self.wall = DeviceTimer(device)
+        self.recv_wait = DeviceTimer(device)
+        self.compute = {kind: DeviceTimer(device) for kind in ("F", "B", "W")}
+        self.sent_bytes = 0
+
+    @property
+    def wall_s(self) -> float:
+        return self.wall.seconds
+
+    @property
+    def recv_wait_s(self) -> float:
+        return self.recv_wait.seconds
+
+    @property
+    def compute_s(self) -> dict[str, float]:
+        return {kind: timer.seconds for kind, timer in self.compute.items()}
 
     @property
     def idle_fraction(self) -> float:
-        return self.recv_wait_s / self.wall_s if self.wall_s > 0 else 0.0
+        wall = self.wall_s
+        return self.recv_wait_s / wall if wall > 0 else 0.0
 
 
 @dataclass
@@ -147,19 +162,20 @@ class PipelineExecutor:
         last one, so gradient reduction starts only when a chunk's gradients are final (data
         parallelism). `spans`: a span recorder timing each action, or None. `meter`: a
         LiveActivationMeter that also counts the stage outputs this rank holds, or None."""
-        plan, stats, state = self.plan, PipelineStats(), _InFlight()
+        plan, state = self.plan, _InFlight()
         span = _untimed if spans is None else spans.span
         device = plan.wire.device
+        stats = PipelineStats(device)
         # fp64: the reported loss is a sum over every token of the step, in an order that depends
         # on the layout; in fp32 its last bit (~5e-7 of a per-token loss near 5) would differ.
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        start = time.perf_counter()
+        start = stats.wall.start()
         for step in self.steps:
             if isinstance(step, tuple):
                 self._exchange(step, state, stats, span)
                 continue
             key = (step.microbatch, step.chunk)
-            t0 = time.perf_counter()
+            t0 = stats.compute[step.kind].start()
             with span(_SPAN_OF[step.kind], step):
                 if step.kind == "F":
                     loss_sum += self._forward(step, key, microbatches, state, loss_divisor, autocast, meter)
@@ -170,12 +186,12 @@ class PipelineExecutor:
                             self._backward(step, key, state)
                         else:
                             self.store.run(key)
-            stats.compute_s[step.kind] += time.perf_counter() - t0
+            stats.compute[step.kind].stop(t0)
         with span("pp_p2p", "finish sends"):
             for work in state.sends:
                 work.wait()
             state.sends.clear()
-        stats.wall_s = time.perf_counter() - start
+        stats.wall.stop(start)
         if spans is not None and plan.group.size > 1:  # after wall_s: PipelineStats stay as without spans
             with span("pp_bubble", "pipeline flush"):
                 comm.all_reduce(torch.zeros(1, device=device), plan.group)
@@ -212,7 +228,7 @@ class PipelineExecutor:
     def _exchange(self, batch, state: _InFlight, stats: PipelineStats, span=_untimed) -> None:
         with span("pp_p2p", batch):
             works, received = self._post(batch, state, stats)
-        t0 = time.perf_counter()
+        t0 = stats.recv_wait.start()
         with span("pp_bubble", batch):
             if len(works) != len(batch) or self.free_sent_outputs:
                 # A coalesced batch (NCCL returns one request) lands its receives only when it
@@ -227,7 +243,7 @@ class PipelineExecutor:
                         work.wait()
                     else:
                         state.sends.append(work)
-        stats.recv_wait_s += time.perf_counter() - t0
+        stats.recv_wait.stop(t0)
         for kind, key, tensor in received:
             if kind == "RECV_F":
                 state.inputs[key] = tensor.requires_grad_()

@@ -19,15 +19,18 @@ def build_stage(
     cfg: Config, grid: Grid, device: torch.device, build_chunk, dtype: torch.dtype = torch.float32
 ) -> tuple[list[nn.Module], PipelineExecutor]:
     """`build_chunk(layer_ids, first, last)` builds one materialized, initialized chunk;
-    activations cross stage boundaries in `dtype` (the parameters' dtype)."""
+    activations cross stage boundaries in `dtype` (the parameters' dtype). Under ZeRO 3 over
+    dp > 1 it is called with `defer_init=True` (as parallelize.build_model takes it): the
+    data-parallel engine, which must be built next, materializes the parameters unit by unit."""
     p, v = cfg.parallel.pp, cfg.parallel.vpp
     stages = stage_layer_ids(cfg.model, p, v, cfg.parallel.stage_layers)
+    defer = {"defer_init": True} if cfg.parallel.zero == 3 and grid.dp.size > 1 else {}
     chunks, first, last = [], [], []
     for c in range(v):
         s = c * p + grid.pp_rank
         first.append(s == 0)
         last.append(s == p * v - 1)
-        chunks.append(build_chunk(stages[s], first[-1], last[-1]))
+        chunks.append(build_chunk(stages[s], first[-1], last[-1], **defer))
     m = cfg.parallel.microbatches
     seq = cfg.model.seq_len // (cfg.parallel.tp if cfg.parallel.sp else 1)
     wire = WireFormat((seq, cfg.train.micro_batch, cfg.model.hidden), dtype, device)

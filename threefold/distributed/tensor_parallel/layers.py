@@ -9,6 +9,8 @@ biases under SP) are listed in `tp_sum_grads`; distributed/finalize.py sums them
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +19,7 @@ from threefold.distributed.comm import MAX, Group
 from threefold.distributed.tensor_parallel.mappings import all_reduce_, leave_region
 from threefold.distributed.tensor_parallel.region import column_linear, enter
 from threefold.model.init import ShardSpec
+from threefold.model.loss import chunked_cross_entropy_sum
 
 
 def _shard(full: int, group: Group, what: str) -> tuple[int, int]:
@@ -144,43 +147,19 @@ class VocabParallelEmbedding(nn.Module):
         return f"{self.vocab}/{self.group.size} x {self.dim}, scatter={self.scatter}"
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Sum of token losses from vocab-sharded logits without gathering them (Megatron's
-    algorithm): global max -> local exp-sums and target logits -> one summed all-reduce."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, group):
-        x = logits.float()
-        vocab_start = group.rank * x.shape[-1]
-        row_max = all_reduce_(x.amax(dim=-1), group, op=MAX)
-        x = x - row_max.unsqueeze(-1)
-        local = targets - vocab_start
-        foreign = (local < 0) | (local >= x.shape[-1])
-        local = local.masked_fill(foreign, 0)
-        target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(foreign, 0.0)
-        exp = x.exp_()
-        # Target logits and exp-sums travel together: one all-reduce instead of two.
-        sums = all_reduce_(torch.stack((target_logit, exp.sum(dim=-1))), group)
-        loss = sums[1].log() - sums[0]
-        softmax = exp.div_(sums[1].unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, foreign)
-        ctx.in_dtype, ctx.consumed = logits.dtype, False
-        return loss.sum()
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.consumed:
-            raise RuntimeError("vocab_parallel_cross_entropy: backward twice (retain_graph) is not supported")
-        ctx.consumed = True
-        softmax, local, foreign = ctx.saved_tensors
-        # d(sum of losses)/d logits = softmax - onehot(target), the onehot only where we own it.
-        # In place on the saved softmax: the logits-sized buffer is the largest of the step.
-        g = softmax.scatter_add_(-1, local.unsqueeze(-1), (~foreign).to(softmax.dtype).neg().unsqueeze(-1))
-        return g.mul_(grad).to(ctx.in_dtype), None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum of cross-entropy losses (fp32) of logits [..., vocab/size] split over `group`."""
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, group: Group, rows: int | None = None
+) -> torch.Tensor:
+    """Sum of cross-entropy losses (fp32) of logits [..., vocab/size] split over `group`, without
+    gathering them (Megatron's algorithm: global row max -> local exp-sums and target logits ->
+    one summed all-reduce), one chunk of `rows` tokens upcast to fp32 at a time (model/loss.py)."""
     if group.size == 1:
-        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
-    return _VocabParallelCrossEntropy.apply(logits, targets, group)
+        return chunked_cross_entropy_sum(logits, targets, rows)
+    return chunked_cross_entropy_sum(
+        logits,
+        targets,
+        rows,
+        vocab_start=group.rank * logits.shape[-1],
+        reduce_max=partial(all_reduce_, group=group, op=MAX),
+        reduce_sum=partial(all_reduce_, group=group),
+    )
