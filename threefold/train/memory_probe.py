@@ -134,21 +134,15 @@ class AllocationPeak:
         return peak
 
 
-def _current_device() -> torch.device:
-    """The device this worker's tensors go to (train/worker.py has set the current CUDA device)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 class MemoryProbe:
     """Hooks the training loop calls on the step it measures. Create it just before the
     Trainer: the start-up peak is tracked from then until the first measured step."""
 
-    def __init__(self, device: torch.device | str | None = None):
+    def __init__(self, device: torch.device | str):
+        """`device`: the run's device, whose allocator the start-up peak is read from."""
         self.activations = 0
         self.state: dict[str, dict[str, float]] = {}
-        self._startup: AllocationPeak | None = AllocationPeak(device or _current_device()).start()
+        self._startup: AllocationPeak | None = AllocationPeak(torch.device(device)).start()
         self.startup_peak: int | None = None
 
     @contextlib.contextmanager
