@@ -249,17 +249,7 @@ class DataParallel:
         Returns whether it was applied: with the fused optimizer and no loss scaling a 0-d
         bool tensor on the device (the decision stays there, so nothing waits for the host
         before the update: read it with the step's other scalars), otherwise a bool."""
-        if self.optimizer.fused and not self.scaler.enabled:
-            found_inf = (~torch.isfinite(grad_norm)).float()
-            self.apply_update(lr, grad_norm, max_norm, found_inf)
-            return found_inf == 0
-        norm = float(grad_norm)
-        if self.scaler.enabled and not self.scaler.update(norm):
-            return False
-        if not math.isfinite(norm):  # NaN/Inf without loss scaling (or flagged by the caller): never apply
-            return False
-        self.apply_update(lr, grad_norm, max_norm)
-        return True
+        return step_engines(self.parts, lr, grad_norm, max_norm)
 
     def apply_update(
         self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0, found_inf: torch.Tensor | None = None
@@ -322,6 +312,27 @@ class DataParallel:
         for h in self._handles:
             h.remove()
         self.grads.remove_hooks()
+
+
+def step_engines(parts: list[DataParallel], lr: float, grad_norm: torch.Tensor, max_norm: float) -> bool | torch.Tensor:
+    """One skip decision for engines sharing one loss scaler and one optimizer kind (a dense
+    engine, or an MoE model's dense + expert pair), then each one's update. The fused optimizer
+    without loss scaling decides on the device (found_inf) and returns a 0-d bool tensor; the
+    other paths read the norm on the host and return a bool."""
+    scaler = parts[0].scaler
+    if parts[0].optimizer.fused and not scaler.enabled:
+        found_inf = (~torch.isfinite(grad_norm)).float()
+        for e in parts:
+            e.apply_update(lr, grad_norm, max_norm, found_inf)
+        return found_inf == 0
+    norm = float(grad_norm)
+    if scaler.enabled and not scaler.update(norm):
+        return False
+    if not math.isfinite(norm):  # NaN/Inf without loss scaling (or flagged by the caller): never apply
+        return False
+    for e in parts:
+        e.apply_update(lr, grad_norm, max_norm)
+    return True
 
 
 def _ordered_params(chunks: list[nn.Module], zero: int, solo: set[int] = frozenset(), only=None):

@@ -13,13 +13,12 @@ scaler, one skip decision, one global gradient norm.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 from torch import nn
 
 from threefold.distributed import comm
-from threefold.distributed.data_parallel.engine import DataParallel
+from threefold.distributed.data_parallel.engine import DataParallel, step_engines
 from threefold.model.moe import expert_parameters
 
 
@@ -85,19 +84,7 @@ class ExpertDataParallel:
 
     def step(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> bool | torch.Tensor:
         """DataParallel.step's decision (overflow, NaN/Inf: skip) once, then both updates."""
-        if self.dense.optimizer.fused and not self.scaler.enabled:
-            found_inf = (~torch.isfinite(grad_norm)).float()
-            for e in self.parts:
-                e.apply_update(lr, grad_norm, max_norm, found_inf)
-            return found_inf == 0
-        norm = float(grad_norm)
-        if self.scaler.enabled and not self.scaler.update(norm):
-            return False
-        if not math.isfinite(norm):
-            return False
-        for e in self.parts:
-            e.apply_update(lr, grad_norm, max_norm)
-        return True
+        return step_engines(self.parts, lr, grad_norm, max_norm)
 
     def zero_grad(self) -> None:
         for e in self.parts:
