@@ -225,6 +225,7 @@ def test_generate_prints_python_after_brief_training_and_noise_before(tmp_path, 
         cache_dir,
     )
     run_training(overrides, tmp_path / "log", cache_dir)
+    capsys.readouterr()  # the runs' own lines ("saved ...; sample from it: ...")
     texts = {}
     for name, ckpt in (("untrained", untrained), ("trained", tmp_path / "ckpt")):
         assert (
@@ -279,7 +280,7 @@ def test_prepare_writes_a_bpe_tokenizer_and_its_token_stream(prepared):
     assert tok.vocab_size == meta["vocab"] <= 300 and tok.separator == 0
     ids = np.fromfile(out / "tokens.bin", dtype=meta["dtype"])
     assert len(ids) == meta["num_tokens"] < sum(f.stat().st_size for f in corpus.iterdir()) / 2  # BPE compresses
-    docs = np.split(ids, np.flatnonzero(ids == tok.separator))
+    docs = np.split(ids[:-1], np.flatnonzero(ids[:-1] == tok.separator))  # every document ends with the id
     texts = [tok.decode(d[d != tok.separator].tolist()) for d in docs]
     assert texts == [f.read_text() for f in sorted(corpus.iterdir())]
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from threefold.data.blend import Blend, Part, parse_blend
+from threefold.data.indexed import indexed_prefix, read_indexed
 from threefold.data.tokenizer import ByteTokenizer, open_tokenizer
 from threefold.errors import ConfigError, DataError
 
@@ -29,7 +31,7 @@ _CHECK_CHUNK = 1 << 24  # tokens per chunk when scanning a .bin for its max id (
 class TokenFile:
     """A memory-mapped, 1-D token stream and the vocabulary it was made for."""
 
-    tokens: np.memmap
+    tokens: np.memmap  # or a Blend of several streams (data.path "0.7 a/ 0.3 b/")
     vocab_size: int
     source: str  # one line for logs: where the tokens came from
 
@@ -74,6 +76,12 @@ def load_tokens(
     if vocab < 0:
         raise ConfigError("data.vocab", f"must be >= 0, got {vocab}", "0 = tokenizer's own")
     tok = open_tokenizer(tokenizer)
+    blend = parse_blend(path)
+    if blend is not None:
+        return _load_blend(blend, vocab, dtype, cache_dir, tokenizer)
+    prefix = indexed_prefix(path) if path else None
+    if prefix is not None:
+        return _load_indexed(prefix, vocab or (tok.vocab_size if tokenizer else 0))
     if path and path.endswith(".bin"):
         return _load_bin(Path(path), vocab or (tok.vocab_size if tokenizer else 0), dtype)
 
@@ -88,8 +96,8 @@ def load_tokens(
         if not root.exists():
             raise DataError(
                 f"{root}: no such file or directory (data.path must be a text "
-                "file, a directory of text files, a .bin token file, or empty "
-                "for the Python stdlib)"
+                "file, a directory of text files, a .bin token file, an indexed "
+                "dataset prefix, a blend 'W1 PATH1 W2 PATH2', or empty for the Python stdlib)"
             )
         files = _text_files(root)
         if not files:
@@ -107,6 +115,53 @@ def load_tokens(
         f", {meta['skipped']} binary/non-UTF-8 files skipped" if meta["skipped"] else ""
     )
     return TokenFile(tokens, vocab or tok.vocab_size, source)
+
+
+def _load_blend(pairs, vocab: int, dtype: str, cache_dir: str, tokenizer: str) -> TokenFile:
+    parts = []
+    for weight, p in pairs:
+        if parse_blend(p) is not None:
+            raise ConfigError("data.path", f"blend component {p} is itself a blend", "datasets only")
+        f = load_tokens(p, vocab, dtype, cache_dir, tokenizer)
+        parts.append((f, Part(p, weight, f.tokens)))
+    top = max(f.vocab_size for f, _ in parts)
+    blend = Blend([part for _, part in parts])
+    return TokenFile(blend, top, blend.describe())
+
+
+def _load_indexed(prefix: Path, vocab: int) -> TokenFile:
+    """A Megatron indexed dataset. Its vocabulary is data.vocab, else the tokenizer's, else the
+    one `data prepare` recorded beside it (prefix.json), which also spares the scan for the
+    largest id when it describes this very .bin."""
+    ds = read_indexed(prefix)
+    try:
+        side = json.loads(Path(f"{prefix}.json").read_text())
+        known = side["num_tokens"] == len(ds.tokens) and side["dtype"] == ds.tokens.dtype.name
+    except (OSError, ValueError, KeyError, TypeError):
+        side, known = {}, False
+    vocab = vocab or (int(side["vocab"]) if known else 0)
+    if not vocab:
+        raise ConfigError(
+            "data.vocab", f"must be set for the indexed dataset {prefix}", "the tokenizer's vocabulary size, > 0"
+        )
+    top = int(side["max_id"]) if known else _max_id(ds.tokens)
+    if top >= vocab or ds.tokens.dtype.kind == "i" and _min_id(ds.tokens) < 0:
+        raise DataError(
+            f"{prefix}.bin: token id {top} found but data.vocab is {vocab} (ids must be in [0, vocab); wrong vocab?)"
+        )
+    source = (
+        f"{prefix}: {ds.num_documents:,} documents, {len(ds.tokens):,} {ds.tokens.dtype.name} tokens, vocab {vocab}"
+    )
+    return TokenFile(ds.tokens, vocab, source)
+
+
+def _max_id(tokens: np.ndarray) -> int:
+    # Scan in chunks: a multi-GB corpus must not be pulled into RAM just to be checked.
+    return max(int(tokens[i : i + _CHECK_CHUNK].max()) for i in range(0, len(tokens), _CHECK_CHUNK))
+
+
+def _min_id(tokens: np.ndarray) -> int:
+    return min(int(tokens[i : i + _CHECK_CHUNK].min()) for i in range(0, len(tokens), _CHECK_CHUNK))
 
 
 def _load_bin(path: Path, vocab: int, dtype: str) -> TokenFile:
@@ -127,8 +182,7 @@ def _load_bin(path: Path, vocab: int, dtype: str) -> TokenFile:
             f"(is data.dtype={dtype} right? valid: uint16, uint32)"
         )
     tokens = np.memmap(path, dtype=dtype, mode="r")
-    # Scan in chunks: a multi-GB corpus must not be pulled into RAM just to be checked.
-    top = max(int(tokens[i : i + _CHECK_CHUNK].max()) for i in range(0, len(tokens), _CHECK_CHUNK))
+    top = _max_id(tokens)
     if top >= vocab:
         raise DataError(
             f"{path}: token id {top} found but data.vocab is {vocab} "

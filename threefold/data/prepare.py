@@ -1,44 +1,48 @@
-"""`threefold data prepare`: train a BPE tokenizer on a corpus and write its token stream.
+"""`threefold data prepare`: a corpus in, a Megatron-LM indexed dataset out.
 
-    threefold data prepare --out DIR [--vocab 8192] [--data.path CORPUS]
+    threefold data prepare --out DIR [--data.path CORPUS] [--json-key text] [--workers N]
+                           [--tokenizer tokenizer.json | --vocab 8192] [--max-bad N]
 
-writes DIR/tokenizer.json (byte-level BPE from the `tokenizers` package, id 0 = <|endoftext|>,
-which separates documents as byte 0 does in byte-level streams) and DIR/tokens.bin (uint16, or
-uint32 above 65536 ids), and prints the keys that train on them. The corpus is found exactly as
-`threefold train` finds it: a text file, a directory of text files, or the Python stdlib.
+CORPUS is JSONL (one object per line, the text under --json-key), Parquet (that column, via
+pyarrow), a directory saved by Hugging Face `datasets` (save_to_disk), text files / a directory
+of them (one document per file), or '' for the Python stdlib sources. Without --tokenizer a
+byte-level BPE tokenizer (id 0 = <|endoftext|>) is trained on the first --sample-mb of the corpus.
+
+Writes DIR/tokenizer.json, DIR/tokens.bin + DIR/tokens.idx (every document followed by the
+end-of-document id; uint16 ids below 65500, else int32, as Megatron-LM writes them) and
+DIR/tokens.json (counts, vocabulary, largest id). Shards are tokenized in parallel by --workers
+processes into DIR/.prepare-KEY/ and merged at the end; a rerun of the same command resumes,
+skipping the shards already finished. Bad records are counted per class and skipped; more than
+--max-bad of them stops the run with exit 2 and writes no dataset.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
+import hashlib
 import json
+import multiprocessing
+import shutil
+import sys
 import sysconfig
+import time
 from pathlib import Path
 
-from threefold.data.corpus import _text_files, read_texts, stdlib_source_files, write_token_file
-from threefold.data.tokenizer import FileTokenizer
+from threefold.data.corpus import _atomic_write, stdlib_source_files
+from threefold.data.indexed import megatron_dtype
+from threefold.data.prepare_workers import init_worker, is_done, merge_shards, tokenize_shard
+from threefold.data.sources import BAD_CLASSES, Bad, detect_format, plan_shards, records, text_shards
+from threefold.data.tokenizer import SEPARATOR_NAMES, FileTokenizer
 from threefold.errors import ConfigError, DataError, UserError
 
 END_OF_TEXT = "<|endoftext|>"
+PREFIX = "tokens"  # DIR/tokens.bin, DIR/tokens.idx, DIR/tokens.json
 
 
-def corpus_files(path: str) -> list[tuple[str, Path]]:
-    if not path:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        return [(f.relative_to(root).as_posix(), f) for f in stdlib_source_files()]
-    root = Path(path)
-    if path.endswith(".bin"):
-        raise ConfigError("data.path", f"{path} is already tokenized", "a text file or directory of text files")
-    if not root.exists():
-        raise DataError(f"{root}: no such file or directory (data.path must be text files, or empty for the stdlib)")
-    files = _text_files(root)
-    if not files:
-        raise DataError(f"{root}: no non-empty text files to train a tokenizer on")
-    return files
-
-
-def train_bpe(texts: list[str], vocab: int):
-    """A byte-level BPE tokenizer of `vocab` ids (GPT-2's scheme: no unknown tokens)."""
+def train_bpe(texts, vocab: int):
+    """A byte-level BPE tokenizer of `vocab` ids (GPT-2's scheme: no unknown tokens), trained
+    from an iterator of texts (streamed, never a list of the whole corpus)."""
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError:
@@ -54,45 +58,234 @@ def train_bpe(texts: list[str], vocab: int):
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(texts, trainer, length=len(texts))
+    tok.train_from_iterator(texts, trainer)
     return tok
 
 
-def prepare(path: str, out: str, vocab: int) -> dict:
-    if not 257 <= vocab <= 1 << 32:
+def _sample(shards, key: str, limit: int):
+    """Documents from the start of the corpus up to `limit` bytes of text, for BPE training."""
+    seen = 0
+    for shard in shards:
+        for rec in records(shard, key):
+            if isinstance(rec, Bad):
+                continue
+            yield rec
+            seen += len(rec)
+            if seen >= limit:
+                return
+
+
+def _plan(path: str, fmt: str, key: str, shard_bytes: int):
+    if not path:
+        return (
+            "text",
+            text_shards(stdlib_source_files(), shard_bytes),
+            f"python stdlib {sysconfig.get_paths()['stdlib']}",
+        )
+    if path.endswith((".bin", ".idx")):
+        raise ConfigError("data.path", f"{path} is already tokenized", "JSONL, Parquet, text files or a dataset dir")
+    root = Path(path)
+    fmt = detect_format(root, fmt) if root.exists() else fmt
+    return fmt, plan_shards(root, fmt, key, shard_bytes), str(root)
+
+
+def _work_key(shards, key: str, tok_spec: str) -> str:
+    # Sizes and mtimes stand in for content, as in the token cache: an edited input is a new plan.
+    h = hashlib.sha1(f"{key}\0{tok_spec}".encode())
+    for s in shards:
+        h.update(json.dumps(s.to_dict()).encode())
+        for f in s.files:
+            st = Path(f).stat()
+            h.update(f"\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def prepare(
+    path: str,
+    out: str,
+    vocab: int = 8192,
+    *,
+    tokenizer: str = "",
+    json_key: str = "text",
+    fmt: str = "auto",
+    workers: int = 1,
+    max_bad: int = 1000,
+    shard_mb: float = 32.0,
+    sample_mb: float = 256.0,
+    log=None,
+) -> dict:
+    """Tokenize the corpus at `path` into out/tokens.{bin,idx}; returns out/tokens.json's dict."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if not tokenizer and not 257 <= vocab <= 1 << 32:
         raise ConfigError("--vocab", f"{vocab} ids", "at least 257 (256 bytes + end of text)")
-    files = corpus_files(path)
-    texts = read_texts(files)
-    if not texts:
-        raise DataError(f"{path or 'stdlib'}: no UTF-8 text found")
+    if workers < 1:
+        raise ConfigError("--workers", f"{workers}", "at least 1 process")
+    if max_bad < 0 or shard_mb <= 0:
+        raise ConfigError("--max-bad/--shard-mb", f"{max_bad}/{shard_mb}", "max-bad >= 0, shard-mb > 0")
+    fmt, shards, label = _plan(path, fmt, json_key, int(shard_mb * (1 << 20)))
     dst = Path(out)
     if dst.exists() and not dst.is_dir():
         raise DataError(f"{dst}: exists and is not a directory (--out must be a directory)")
     dst.mkdir(parents=True, exist_ok=True)
-    train_bpe(texts, vocab).save(str(dst / "tokenizer.json"))
-    tok = FileTokenizer(str(dst / "tokenizer.json"))
-    meta = write_token_file(files, tok, dst / "tokens.bin")
-    meta["vocab"] = tok.vocab_size
-    (dst / "tokens.json").write_text(json.dumps(meta, indent=1))
+    tok_spec = f"file {FileTokenizer(tokenizer).name}" if tokenizer else f"bpe {vocab} {sample_mb}"
+    key = _work_key(shards, json_key, tok_spec)
+    meta_path = dst / f"{PREFIX}.json"
+    done_meta = _finished(meta_path, key)
+    if done_meta:
+        log(f"prepare: {dst} already holds this corpus ({done_meta['num_tokens']:,} tokens); nothing to do")
+        return done_meta
+    work = dst / f".prepare-{key}"
+    work.mkdir(exist_ok=True)
+    tok_file = work / "tokenizer.json"
+    if not tok_file.is_file():
+        if tokenizer:
+            shutil.copyfile(tokenizer, tok_file)
+        else:
+            log(f"prepare: training a {vocab}-id BPE tokenizer on up to {sample_mb:g} MB of {label}")
+            bpe = train_bpe(_sample(shards, json_key, int(sample_mb * (1 << 20))), vocab)
+            _atomic_write(tok_file, bpe.to_str().encode())
+    tok = FileTokenizer(str(tok_file))
+    if tok.separator is None:
+        raise DataError(
+            f"{tokenizer or tok_file}: the tokenizer has no end-of-document token (one of {', '.join(SEPARATOR_NAMES)})"
+        )
+    dtype = megatron_dtype(tok.vocab_size)
+    results = _run_shards(shards, work, json_key, tok, dtype, workers, max_bad, label, log)
+    bad = _report_bad(results, log)
+    documents, tokens = merge_shards(work, len(shards), dst / PREFIX)
+    shutil.copyfile(tok_file, dst / "tokenizer.json")
+    meta = {
+        "key": key,
+        "format": "megatron-indexed",
+        "input": label,
+        "input_format": fmt,
+        "tokenizer": tok.name,
+        "vocab": tok.vocab_size,
+        "dtype": dtype.name,
+        "end_of_document": tok.separator,
+        "num_tokens": tokens,
+        "documents": documents,
+        "max_id": max(r["max_id"] for r in results),
+        "bad": bad,
+    }
+    _atomic_write(meta_path, json.dumps(meta, indent=1).encode())  # last: its key marks the dataset done
+    shutil.rmtree(work, ignore_errors=True)
     return meta
+
+
+def _finished(meta_path: Path, key: str) -> dict | None:
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = meta.get("key") == key and all((meta_path.parent / f"{PREFIX}{s}").is_file() for s in (".bin", ".idx"))
+    return meta if ok else None
+
+
+def _run_shards(shards, work: Path, key: str, tok, dtype, workers: int, max_bad: int, label: str, log) -> list:
+    """Every shard's counts, tokenizing the unfinished ones over `workers` processes; stops
+    (DataError) as soon as the bad records counted so far pass max_bad."""
+    results: dict[int, dict] = {}
+    for i in range(len(shards)):
+        meta = is_done(work, i)
+        if meta is not None:
+            results[i] = meta
+    todo = [i for i in range(len(shards)) if i not in results]
+    total_mb = sum(s.size for s in shards) / 2**20
+    log(
+        f"prepare: {label}: {len(shards)} shards, {total_mb:,.0f} MB, {workers} worker(s)"
+        + (f"; resuming, {len(results)} shards already done" if results else "")
+    )
+    jobs = [(i, shards[i].to_dict(), key, str(work), tok.separator, dtype.name) for i in todo]
+    t0, done_mb, done_tokens = time.perf_counter(), 0.0, 0
+
+    def finished(meta: dict) -> None:
+        nonlocal done_mb, done_tokens
+        done_mb += meta["bytes"] / 2**20
+        done_tokens += meta["tokens"]
+        dt = max(time.perf_counter() - t0, 1e-9)
+        left = total_mb - sum(r["bytes"] for r in results.values()) / 2**20
+        log(
+            f"prepare: {len(results)}/{len(shards)} shards  {done_mb:,.0f} MB in {dt:.1f}s  "
+            f"{done_tokens / dt / 1e6:.2f}M tokens/s  eta {left / max(done_mb / dt, 1e-9):.0f}s"
+        )
+        nbad = sum(sum(r["bad"].values()) for r in results.values())
+        if nbad > max_bad:
+            _report_bad(list(results.values()), log)
+            raise DataError(
+                f"{nbad} bad records exceed --max-bad {max_bad}; no dataset written (fix the input or raise "
+                f"--max-bad; the {len(results)} finished shards are kept in {work} for the rerun)"
+            )
+
+    if workers == 1 or len(jobs) <= 1:
+        init_worker(str(work / "tokenizer.json"))
+        for job in jobs:
+            results[job[0]] = tokenize_shard(job)
+            finished(results[job[0]])
+    elif jobs:
+        # spawn: a forked child would inherit the parent's tokenizer thread pool state.
+        ctx = multiprocessing.get_context("spawn")
+        with cf.ProcessPoolExecutor(
+            workers, ctx, initializer=init_worker, initargs=(str(work / "tokenizer.json"),)
+        ) as pool:
+            futures = {pool.submit(tokenize_shard, job): job[0] for job in jobs}
+            try:
+                for fut in cf.as_completed(futures):
+                    results[futures[fut]] = fut.result()
+                    finished(results[futures[fut]])
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+    return [results[i] for i in range(len(shards))]
+
+
+def _report_bad(results: list, log) -> dict:
+    """One line per bad-record class with its count and first place; returns {class: count}."""
+    counts: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for r in results:
+        for kind, n in r["bad"].items():
+            counts[kind] = counts.get(kind, 0) + n
+            first.setdefault(kind, r["first_bad"].get(kind, "?"))
+    for kind in sorted(counts):
+        log(f"prepare: skipped {counts[kind]} records: {BAD_CLASSES[kind]} (first at {first[kind]})")
+    return counts
 
 
 def data_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="threefold data")
     sub = parser.add_subparsers(dest="action", required=True)
-    prep = sub.add_parser("prepare", help="train a BPE tokenizer on the corpus and write tokens.bin")
-    prep.add_argument("--out", required=True, help="directory for tokenizer.json and tokens.bin")
-    prep.add_argument("--vocab", type=int, default=8192, help="tokenizer size in ids (default 8192)")
+    prep = sub.add_parser("prepare", help="tokenize a corpus into a Megatron indexed dataset (tokens.bin/.idx)")
+    prep.add_argument("--out", required=True, help="directory for tokenizer.json and tokens.bin/.idx/.json")
     prep.add_argument("--data.path", dest="path", default="", help="corpus ('' = Python stdlib sources)")
+    prep.add_argument("--format", default="auto", help="auto (by file names), jsonl, parquet, text or hf")
+    prep.add_argument("--json-key", default="text", help="JSON key / Parquet or dataset column of the text")
+    prep.add_argument("--tokenizer", default="", help="tokenizer.json to use (default: train a BPE one)")
+    prep.add_argument("--vocab", type=int, default=8192, help="size of the BPE tokenizer to train (default 8192)")
+    prep.add_argument("--sample-mb", type=float, default=256.0, help="MB of text the BPE tokenizer trains on")
+    prep.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    prep.add_argument("--max-bad", type=int, default=1000, help="bad records tolerated before exit 2")
+    prep.add_argument("--shard-mb", type=float, default=32.0, help="input MB per shard (unit of work and resume)")
     args = parser.parse_args(argv)
-    meta = prepare(args.path, args.out, args.vocab)
+    meta = prepare(
+        args.path,
+        args.out,
+        args.vocab,
+        tokenizer=args.tokenizer,
+        json_key=args.json_key,
+        fmt=args.format,
+        workers=args.workers,
+        max_bad=args.max_bad,
+        shard_mb=args.shard_mb,
+        sample_mb=args.sample_mb,
+    )
     out = Path(args.out)
     print(
-        f"wrote {out / 'tokenizer.json'} ({meta['vocab']} ids) and {out / 'tokens.bin'} "
-        f"({meta['num_tokens']:,} {meta['dtype']} tokens from {meta['documents']} documents)"
+        f"wrote {out / 'tokenizer.json'} ({meta['vocab']} ids) and {out / PREFIX}.bin/.idx "
+        f"({meta['num_tokens']:,} {meta['dtype']} tokens from {meta['documents']:,} documents)"
     )
     print(
-        f"train with: --data.path {out / 'tokens.bin'} --data.dtype {meta['dtype']} --data.vocab {meta['vocab']} "
-        f"--data.tokenizer {out / 'tokenizer.json'} --model.vocab {meta['vocab']}"
+        f"train with: --data.path {out / PREFIX} --data.tokenizer {out / 'tokenizer.json'} "
+        f"--model.vocab {meta['vocab']}"
     )
     return 0

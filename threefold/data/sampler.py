@@ -6,6 +6,10 @@ of the next). Global sample j = step*global_batch + i is window perm_e[j % N] of
 e = j // N, with perm_e seeded by (seed, e). The batch at a step therefore depends only on
 (seed, step, global_batch, seq_len, num_tokens): changing dp size or micro-batch size, or
 resuming from a checkpoint at step k, reproduces exactly the same sequences.
+
+A Blend of weighted datasets (threefold/data/blend.py) replaces the one stream: the sampler
+still decides which global sample indices each rank reads, and the blend maps each index to
+its dataset and window by a schedule of the index alone, so the same holds for blends.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from threefold.data.blend import Blend
 from threefold.errors import ConfigError, DataError
 
 
@@ -81,13 +86,17 @@ class GlobalBatchSampler:
             raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
         if len(tokens) != self.num_tokens:
             raise ValueError(f"token stream has {len(tokens)} tokens, sampler was built for {self.num_tokens}")
-        windows = self.global_windows(step)[dp_rank * local : (dp_rank + 1) * local]
-        offsets = np.arange(self.seq_len + 1, dtype=np.int64)
+        first = step * self.global_batch + dp_rank * local
+        if isinstance(tokens, Blend):  # it maps global sample indices to its datasets itself
+            mine = tokens.rows(first + np.arange(local, dtype=np.int64), self.seq_len, self.seed)
+        else:
+            windows = self.global_windows(step)[dp_rank * local : (dp_rank + 1) * local]
+            offsets = np.arange(self.seq_len + 1, dtype=np.int64)
+            # Fancy indexing reads only these rows from the memmap, not the whole corpus.
+            mine = np.asarray(tokens[(windows * self.seq_len)[:, None] + offsets], dtype=np.int64)
         out = []
         for m in range(0, local, micro_batch):
-            starts = windows[m : m + micro_batch] * self.seq_len
-            # Fancy indexing reads only these rows from the memmap, not the whole corpus.
-            rows = torch.from_numpy(np.asarray(tokens[starts[:, None] + offsets], dtype=np.int64))
+            rows = torch.from_numpy(mine[m : m + micro_batch])
             out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
         return out
 

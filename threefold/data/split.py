@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 
+from threefold.data.blend import Blend
 from threefold.data.corpus import TokenFile
 from threefold.errors import ConfigError, DataError
 
@@ -28,6 +29,13 @@ def training_part(tokens: TokenFile, val_fraction: float) -> TokenFile:
     """The tokens training may sample (all of them when val_fraction is 0)."""
     if val_fraction == 0:
         return tokens
+    if isinstance(tokens.tokens, Blend):
+        # Evaluation reads the tail of one stream; a blend has no single tail to hold out.
+        raise ConfigError(
+            "data.val_fraction",
+            f"{val_fraction} with a blend of datasets",
+            "0 for a blend; hold out data by evaluating on a separate dataset",
+        )
     end = split_point(len(tokens), val_fraction)
     return dataclasses.replace(
         tokens, tokens=tokens.tokens[:end], source=f"{tokens.source}; last {len(tokens) - end:,} held out"

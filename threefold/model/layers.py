@@ -94,12 +94,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class AttentionCore(nn.Module):
-    """softmax(QK^T/sqrt(d))V with a causal mask; its own module so selective recompute can wrap it."""
+    """softmax(QK^T/sqrt(d))V with a causal mask, or the boolean `mask` [batch, 1, seq, seq]
+    (data.document_mask: block-diagonal causal); its own module so selective recompute can wrap it."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # q: [batch, heads, seq, hd]; k, v: [batch, kv_heads, seq, hd]
         gqa = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        # An explicit mask rules out the flash kernel on CUDA (efficient/math kernels instead).
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -115,14 +121,20 @@ class Attention(nn.Module):
         self.core = AttentionCore()
         self.wo = Linear(cfg.heads * hd, cfg.hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
+        """`documents` (threefold.data.documents.Documents, or None): attend within documents,
+        rotate by positions inside them. A keyword, so TP's entry pre-hook passes it untouched."""
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        s, b = q.shape[0], q.shape[1]
+        s, b = q.shape[0], q.shape[1]  # the full sequence: under SP the entry gathered it
         q, k, v = (t.view(s, b, -1, self.head_dim) for t in (q, k, v))
         if self.use_rope:
             cos, sin = _rope_constants(s, self.head_dim, self.rope_theta, q.device)
+            if documents is not None:  # [s, 1, 1, hd/2] tables -> [s, b, 1, hd/2] per token
+                at = documents.positions.t()
+                cos, sin = cos[:, 0, 0][at].unsqueeze(2), sin[:, 0, 0][at].unsqueeze(2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(*(t.permute(1, 2, 0, 3) for t in (q, k, v)))  # -> [b, heads, s, hd]
+        mask = None if documents is None else documents.mask
+        out = self.core(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), mask=mask)  # -> [b, heads, s, hd]
         return self.wo(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
@@ -155,8 +167,8 @@ class Block(nn.Module):
             self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x)))
+    def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), documents=documents))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 

@@ -43,20 +43,26 @@ class Transformer(nn.Module):
         # Hooks tensor/sequence parallelism installs at the stage boundaries (identity here).
         self.embed_out: Callable[[torch.Tensor], torch.Tensor] = _identity
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [batch, seq] -> hidden [seq, batch, hidden]."""
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [batch, seq] -> hidden [seq, batch, hidden]; `positions` [batch, seq] index the
+        learned position table per token (document masking restarts them per document)."""
         x = self.tok_embed(tokens.t())
         if self.pos_embed is not None:
-            x = x + self.pos_embed.weight[: tokens.shape[1], None, :]
+            if positions is None:
+                x = x + self.pos_embed.weight[: tokens.shape[1], None, :]
+            else:
+                x = x + self.pos_embed.weight[positions.t()]
         return self.embed_out(x)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, documents=None) -> torch.Tensor:
         """First stage takes tokens [batch, seq]; others hidden [seq, batch, hidden].
-        The last stage returns the summed loss when `targets` is given, else logits [seq, batch, vocab]."""
+        The last stage returns the summed loss when `targets` is given, else logits [seq, batch, vocab].
+        `documents` (threefold.data.documents.Documents of this micro-batch, or None): attention
+        stays inside documents and positions (RoPE, or GPT-2's learned table) restart per document."""
         if self.first:
-            x = self.embed(x)
+            x = self.embed(x, None if documents is None else documents.positions)
         for block in self.layers.values():
-            x = block(x)
+            x = block(x) if documents is None else block(x, documents=documents)
         if not self.last:
             return x
         logits = self.head(self.norm(x))

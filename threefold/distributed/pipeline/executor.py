@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from threefold.data.documents import document_layout
 from threefold.distributed import comm
 from threefold.distributed.comm import Group
 from threefold.distributed.pipeline.p2p import WireFormat
@@ -79,6 +80,8 @@ class StagePlan:
     last: list[bool]  # chunk c holds the last virtual stage (computes the loss)
     wire: WireFormat
     group: Group
+    separator: int | None = None
+    """data.document_mask: the end-of-document id every chunk's attention stops at (None = off)."""
 
 
 class _SentOutput(torch.autograd.Function):
@@ -203,8 +206,16 @@ class PipelineExecutor:
         c, plan = action.chunk, self.plan
         tokens, targets = microbatches[action.microbatch]
         x = tokens.to(plan.wire.device, non_blocking=True) if plan.first[c] else state.inputs[key]
-        with autocast():
-            out = plan.chunks[c](x, targets.to(plan.wire.device, non_blocking=True) if plan.last[c] else None)
+        y = targets.to(plan.wire.device, non_blocking=True) if plan.last[c] else None
+        if plan.separator is None:
+            with autocast():
+                out = plan.chunks[c](x, y)
+        else:
+            # Every stage holds its micro-batches' token ids, so each builds the mask itself
+            # (O(batch·seq²) bools, no traffic) instead of receiving it from the first stage.
+            docs = document_layout(tokens.to(plan.wire.device, non_blocking=True), plan.separator)
+            with autocast():
+                out = plan.chunks[c](x, y, documents=docs)
         if plan.last[c]:
             state.outputs[key] = out / loss_divisor
             return out.detach()

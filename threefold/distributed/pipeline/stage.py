@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from threefold.config import Config
+from threefold.data.documents import document_separator
 from threefold.distributed.grid import Grid
 from threefold.distributed.pipeline.executor import PipelineExecutor, StagePlan
 from threefold.distributed.pipeline.p2p import WireFormat
@@ -39,8 +40,12 @@ def build_stage(
         store = WeightGradStore()
         attach_weight_grad_store(chunks, store)
     actions = build_schedule(cfg.parallel.schedule, p, m, v)[grid.pp_rank]
+    separator = document_separator(cfg.data.tokenizer) if cfg.data.document_mask else None
     executor = PipelineExecutor(
-        StagePlan(chunks, first, last, wire, grid.pp), actions, store, free_sent_outputs=cfg.parallel.free_sent_outputs
+        StagePlan(chunks, first, last, wire, grid.pp, separator),
+        actions,
+        store,
+        free_sent_outputs=cfg.parallel.free_sent_outputs,
     )
     return chunks, executor
 
