@@ -12,6 +12,12 @@ over 25%. The default pair is what a user has at hand: one process (compute alon
 full 3D run, tp2 x pp2 x dp2 on 8 processes (TP collectives, pipeline transfers, the DP
 reduction, cores shared 4 ways); the share of a core 4 processes get follows from the cpu
 profile's measured `core_share_exponent`.
+
+`--calibrate-on all` is leave-one-out over the whole matrix: each run is predicted by a fit on
+all the others, so every row is held out. Each row carries its interval (predicted x
+exp(+-2 sigma), sigma the category's residual spread in log space); the tables end with, per
+category, how many rows are within 25% of measured and how many intervals cover the
+measurement, and Kendall's tau between predicted and measured step times.
 """
 
 from __future__ import annotations
@@ -119,7 +125,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=0,
         help="cores the processes really get (default: run.json's; less when the machine is shared)",
     )
-    ap.add_argument("--calibrate-on", default="dp1,tp2pp2dp2", help="two run names to fit on")
+    ap.add_argument(
+        "--calibrate-on", default="dp1,tp2pp2dp2", help="run names to fit on; 'all': leave-one-out over the matrix"
+    )
     ap.add_argument("--fit", default="", help="parameters to fit (default: chosen by the planner)")
     ap.add_argument(
         "--spans",
@@ -162,12 +170,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             status[name] = run_layout(out, name, dp, tp, pp, args)
         print(f"{name:12} {status[name][0]:8} {status[name][1]}", flush=True)
 
-    from threefold.planner.calibrate import fit, load_run
+    from threefold.planner.calibrate import fit, leave_one_out, load_run
     from threefold.planner.cluster import build_cluster
     from threefold.planner.report import calibration_text
 
     done = {name: load_run(str(out / name)) for name, (state, _) in status.items() if state == "ok"}
-    calib = [n.strip() for n in args.calibrate_on.split(",")]
+    loo = args.calibrate_on.strip() == "all"
+    calib = list(done) if loo else [n.strip() for n in args.calibrate_on.split(",")]
     missing = [n for n in calib if n not in done]
     if missing:
         raise SystemExit(f"cannot calibrate: runs {', '.join(missing)} did not finish")
@@ -177,18 +186,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         given["host_cores"] = args.host_cores
     base = build_cluster(given)
     free = [s for s in args.fit.split(",") if s] or None
-    cal = fit(
-        [done[n] for n in calib],
-        base,
-        free,
-        [r for n, r in done.items() if n not in calib],
-        explicit={"host_cores"} if args.host_cores else set(),
-    )
+    explicit = {"host_cores"} if args.host_cores else set()
+    if loo:
+        cal = leave_one_out([done[n] for n in calib], base, free, explicit)
+    else:
+        cal = fit([done[n] for n in calib], base, free, [r for n, r in done.items() if n not in calib], explicit)
     print()
     print(calibration_text(cal))
     print()
-    print("| run | dp | tp | pp | processes | measured s | predicted s | error |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| run | dp | tp | pp | processes | measured s | predicted s | interval s | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for row in cal.rows:
         if row.category != "step":
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         flag = " (calibration)" if not row.held_out else (" **over 25%**" if abs(err) > 0.25 else "")
         print(
             f"| {row.run.name}{flag} | {lay.dp} | {lay.tp} | {lay.pp} | {lay.world} | {row.measured:.3f} | "
-            f"{row.fitted:.3f} | {err:+.1%} |"
+            f"{row.fitted:.3f} | {row.lo:.3f}-{row.hi:.3f} | {err:+.1%} |"
         )
         if row.held_out:
             rows.append(
@@ -211,8 +218,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             )
     for name, (state, detail) in status.items():
         if state != "ok":
-            print(f"| {name} | | | | | {state}: {detail} | | |")
+            print(f"| {name} | | | | | {state}: {detail} | | | |")
     print_category_errors(cal)
+    from threefold.planner.report import accuracy_text
+
+    print("\nPer category after calibration: within 25% of measured, or the interval covers it:\n")
+    print(accuracy_text(cal))
     return rows
 
 
@@ -253,6 +264,7 @@ def print_category_errors(cal) -> None:
         print("\nNo category was measured (the runs had no spans).")
         return
     errors = {(r.run.name, r.category): r.fitted / r.measured - 1 for r in cal.rows}
+    covers = {(r.run.name, r.category): r.covered for r in cal.rows}
     runs = list(dict.fromkeys(r.run.name + (" (calibration)" if not r.held_out else "") for r in cal.rows))
     labels = [MEASURED_AS[n] for n in names]
     print(
@@ -263,7 +275,12 @@ def print_category_errors(cal) -> None:
     print("|---|" + "---|" * len(labels))
     for run in runs:
         name = run.split(" ")[0]
-        cells = [Band(errors[name, n], errors[name, n], 1).text() if (name, n) in errors else "-" for n in names]
+        cells = [
+            Band(errors[name, n], errors[name, n], 1).text() + ("" if covers[name, n] else " (not covered)")
+            if (name, n) in errors
+            else "-"
+            for n in names
+        ]
         print(f"| {run} | " + " | ".join(cells) + " |")
     bands = cal.bands()
     print(

@@ -6,6 +6,11 @@ does not make every category look changed; the ms per step are printed next to i
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
+from threefold.observe.intervals import Interval, bootstrap
 from threefold.observe.spans import CATEGORIES, COMM, COMPUTE
 from threefold.observe.summary import _bytes, _ms, _pct
 
@@ -67,8 +72,65 @@ def _change_text(category: str, delta: float, ba: dict, bb: dict) -> str:
     )
 
 
-def compare(a: dict, b: dict, config_a: dict, config_b: dict) -> tuple[str, dict]:
-    """Text comparing two summaries (observe.summary.summarize), and the figures it names."""
+def _steady(run, key: str) -> list[float]:
+    return [r[key] for r in run.steady(run.metrics) if isinstance(r.get(key), (int, float)) and r[key] > 0]
+
+
+def _category_shares(run, category: str) -> list[float]:
+    """The category's share of the step on each metrics line that carries a breakdown."""
+    out = []
+    for r in run.steady(run.metrics):
+        row = r.get("time_s", {}).get("mean") if isinstance(r.get("time_s"), dict) else None
+        if row and sum(row.values()) > 0:
+            out.append(row.get(category, 0.0) / sum(row.values()))
+    return out
+
+
+def _ratio_of_medians(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.median(b, axis=-1) / np.median(a, axis=-1)
+
+
+def _difference_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return b.mean(axis=-1) - a.mean(axis=-1)
+
+
+def noise_verdict(interval: Interval, none: float) -> str:
+    """Whether the 95% interval of a change excludes `none` (what no change would read)."""
+    if not math.isfinite(interval.lo):
+        return "too few steps to tell from noise"
+    return "beyond the per-step noise" if not interval.lo <= none <= interval.hi else "within the per-step noise"
+
+
+def noise_lines(run_a, run_b, category: str | None) -> tuple[list[str], dict]:
+    """Intervals from the per-step variation of each run: tokens/s B/A (ratio of medians) and,
+    for `category`, the change of its share of the step (difference of means over the lines
+    that carry a breakdown). Steps of one run are not independent draws (drift, a neighbour's
+    load), so an interval that excludes no change says the change is larger than the run's own
+    step-to-step variation, not that a rerun will reproduce it."""
+    lines, found = [], {}
+    ta, tb = _steady(run_a, "tokens_per_s"), _steady(run_b, "tokens_per_s")
+    if ta and tb:
+        i = bootstrap([ta, tb], _ratio_of_medians, f"ratio of medians, {len(ta)} and {len(tb)} steps")
+        found["tokens_per_s_ratio"] = i
+        lines.append(
+            f"tokens/s B/A {i.value:.3f} [{i.lo:.3f}, {i.hi:.3f}] (95%, {len(ta)} and {len(tb)} steady steps): "
+            + noise_verdict(i, 1.0)
+        )
+    if category:
+        sa, sb = _category_shares(run_a, category), _category_shares(run_b, category)
+        if sa and sb:
+            i = bootstrap([sa, sb], _difference_of_means, f"difference of means, {len(sa)} and {len(sb)} lines")
+            found["biggest_share_change"] = i
+            lines.append(
+                f"{category} share {100 * i.value:+.1f} points [{100 * i.lo:+.1f}, {100 * i.hi:+.1f}] "
+                f"(95%, {len(sa)} and {len(sb)} report lines): " + noise_verdict(i, 0.0)
+            )
+    return lines, found
+
+
+def compare(a: dict, b: dict, config_a: dict, config_b: dict, run_a=None, run_b=None) -> tuple[str, dict]:
+    """Text comparing two summaries (observe.summary.summarize), and the figures it names; with
+    the runs (observe.rundir.Run), intervals that tell a real change from run-to-run noise."""
     lines = [f"A: {a['name']}  {a['layout']}", f"B: {b['name']}  {b['layout']}", ""]
     lines.append(f"{'':<22}{'A':>14}{'B':>14}{'change':>12}")
 
@@ -124,6 +186,11 @@ def compare(a: dict, b: dict, config_a: dict, config_b: dict) -> tuple[str, dict
             lines.append(
                 f"biggest byte change: {g} group {'+' if delta > 0 else '-'}{_bytes(abs(delta))} per step per rank"
             )
+    if run_a is not None and run_b is not None:
+        big = found.get("biggest")
+        more, intervals = noise_lines(run_a, run_b, big[0] if big else None)
+        found.update(intervals)
+        lines += [""] + more if more else []
     diff = config_diff(config_a, config_b)
     lines.append("")
     if diff:

@@ -15,6 +15,8 @@ from threefold.observe.rundir import Run
 from threefold.observe.spans import CATEGORIES, COMPUTE
 
 STRAGGLER_MARGIN = 0.10  # a rank whose busy time is this much above the median is named
+OWN = COMPUTE + ("data_wait", "checkpoint", "eval", "other")
+"""A rank's own work (not waiting for another rank): an injected slowdown sleeps outside compute."""
 
 
 def _mean(values):
@@ -50,39 +52,47 @@ def breakdown(records: list[dict]) -> dict[str, float]:
 
 
 def per_rank(run: Run) -> dict[int, dict]:
-    """rank -> {"wall_s", "time_s": {category: mean seconds}, "comm_bytes", coords} over steady steps."""
+    """rank -> {"wall_s", "time_s": {category: mean seconds}, "comm_bytes", "comm_calls", coords}
+    over steady steps."""
     out: dict[int, dict] = {}
     for line in run.steady(run.spans):
         for r in line["ranks"]:
             entry = out.setdefault(
                 r["rank"],
-                {"walls": [], "rows": [], "bytes": [], "coords": {k: r[k] for k in ("tp", "pp", "dp", "ep") if k in r}},
+                {"walls": [], "rows": [], "comm_bytes": [], "comm_calls": [], "coords": _coords(r)},
             )
             entry["walls"].append(r.get("wall_s", 0.0))
             entry["rows"].append(r.get("time_s", {}))
-            entry["bytes"].append(r.get("comm_bytes", {}))
+            for key in ("comm_bytes", "comm_calls"):
+                entry[key].append(r.get(key, {}))
     for entry in out.values():
-        rows, byts = entry.pop("rows"), entry.pop("bytes")
+        rows = entry.pop("rows")
         entry["wall_s"] = _mean(entry.pop("walls")) or 0.0
         entry["time_s"] = {c: _mean([row.get(c) for row in rows]) or 0.0 for c in CATEGORIES}
-        entry["comm_bytes"] = {g: _mean([b.get(g) for b in byts]) or 0.0 for g in (byts[0] if byts else {})}
+        for key in ("comm_bytes", "comm_calls"):
+            per_step = entry[key]
+            entry[key] = {g: _mean([b.get(g) for b in per_step]) or 0.0 for g in (per_step[0] if per_step else {})}
     return dict(sorted(out.items()))
 
 
+def _coords(r: dict) -> dict:
+    return {k: r[k] for k in ("tp", "pp", "dp", "ep") if k in r}
+
+
 def stragglers(ranks: dict[int, dict]) -> list[tuple[int, float, str]]:
-    """Ranks busy (computing) more than STRAGGLER_MARGIN above the median: (rank, excess fraction,
-    the category that grew most against the median rank)."""
+    """Ranks busy (their own work: OWN) more than STRAGGLER_MARGIN above the median: (rank, excess
+    fraction, the category that grew most against the median rank)."""
     if len(ranks) < 2:
         return []
-    busy = {r: sum(e["time_s"][c] for c in COMPUTE) for r, e in ranks.items()}
+    busy = {r: sum(e["time_s"][c] for c in OWN) for r, e in ranks.items()}
     med = statistics.median(busy.values())
     if med <= 0:
         return []
     out = []
     for r, b in busy.items():
         if b > med * (1 + STRAGGLER_MARGIN):
-            med_cat = {c: statistics.median(e["time_s"][c] for e in ranks.values()) for c in COMPUTE}
-            worst = max(COMPUTE, key=lambda c: ranks[r]["time_s"][c] - med_cat[c])
+            med_cat = {c: statistics.median(e["time_s"][c] for e in ranks.values()) for c in OWN}
+            worst = max(OWN, key=lambda c: ranks[r]["time_s"][c] - med_cat[c])
             out.append((r, b / med - 1, worst))
     return sorted(out, key=lambda x: -x[1])
 
@@ -120,17 +130,31 @@ def summarize(run: Run) -> dict:
     }
     ratio = hfu_ratio(cfg)
     out["hfu"] = out["mfu"] * ratio if out["mfu"] is not None and ratio is not None else None
-    bytes_rows = [r["comm_bytes"] for r in steady if isinstance(r.get("comm_bytes"), dict)]
-    if bytes_rows:
-        out["comm_bytes"] = {g: _mean([b.get(g) for b in bytes_rows]) for g in bytes_rows[0]}
+    for key in ("comm_bytes", "comm_calls"):
+        rows = [r[key] for r in steady if isinstance(r.get(key), dict)]
+        out[key] = {g: _mean([b.get(g) for b in rows]) for g in rows[0]} if rows else {}
     b, wall = out["breakdown"], out["wall_s"]
     out["bubble_measured"] = b["pp_bubble"] / wall if b and wall else None
     out["stragglers"] = stragglers(out["per_rank"])
+    out["band_alerts"] = band_alerts(run.metrics)
     out["experts"] = _keys_like(steady, ("expert", "imbalance"))
     out["goodput"] = _keys_like(run.metrics[-1:], ("goodput",)) or {
         k: v for k, v in run.info.get("extra", {}).items() if "goodput" in k and isinstance(v, (int, float))
     }
     return out
+
+
+def band_alerts(records: list[dict]) -> dict | None:
+    """log.bands: the lines checked, and per category its latest excursion's alert (the last
+    line that named it); None when the run checked no bands."""
+    checked = [r for r in records if isinstance(r.get("band_alerts"), list)]
+    if not checked:
+        return None
+    latest: dict[str, dict] = {}
+    for r in checked:
+        for a in r["band_alerts"]:
+            latest[a["category"]] = {**a, "last": r["step"]}
+    return {"lines": len(checked), "alerts": latest}
 
 
 def _layout(cfg: dict) -> str:
@@ -207,11 +231,19 @@ def format_summary(s: dict) -> str:
         slow = s["stragglers"]
         if slow:
             for r, excess, cat in slow:
-                lines.append(
-                    f"  straggler: rank {r} computes {_pct(excess)} longer than the median rank (mostly {cat})"
-                )
+                lines.append(f"  straggler: rank {r} works {_pct(excess)} longer than the median rank (mostly {cat})")
         else:
-            lines.append(f"  stragglers: none (every rank within {_pct(STRAGGLER_MARGIN)} of the median compute time)")
+            lines.append(
+                f"  stragglers: none (every rank within {_pct(STRAGGLER_MARGIN)} of the median rank's own work)"
+            )
+    bands = s.get("band_alerts")
+    if bands:
+        from threefold.observe.bands import alert_text
+
+        for a in bands["alerts"].values():
+            lines.append(f"  out of band: {alert_text(a)} (last named at step {a['last']})")
+        if not bands["alerts"]:
+            lines.append(f"  bands: every category within its band ({bands['lines']} report lines checked)")
     for k, v in s["experts"].items():
         lines.append(f"  {k}: {v:.3f} (mean)")
     for k, v in s["goodput"].items():

@@ -1,6 +1,6 @@
 """Fit the cluster's efficiency parameters to measured runs, by least squares.
 
-A run directory (written by `threefold train`) has run.json, with the resolved config under
+A run directory (written by `threefold train`, read by planner/runs.py) has run.json, with the config under
 "config" and the grid under "layout", and metrics.jsonl with one record per step. Each run gives
 one equation: its median step time (after the warm-up steps) = the planner's step time, which
 is linear in the parameters' units (see `cost`). A run trained with `log.spans` also has
@@ -16,42 +16,35 @@ Residuals are relative ((predicted - measured) / measured), so a fast run counts
 slow one. Parameters are freed in `PRIORITY` order while each adds information the runs can
 see (its column is not ~ a combination of those already free) and there are more equations
 than free parameters; the rest keep their prior. A parameter fitted to a non-physical value
-(<= 0) is put back to its prior and the fit repeated.
+(<= 0) is put back to its prior and the fit repeated. `gemm_half_dim` (planner/kernels.py) is
+not linear either: where the runs' GEMM shapes differ (tp or micro-batch), the fit is repeated
+over GEMM_GRID and the best kept.
+
+Then each measured communication and optimizer category is fitted again on its own rows
+(planner/categories.py), so its parameters are its own, and every row gets the interval its
+category's residual spread gives. `leave_one_out` predicts each run from a fit on the others.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import statistics
+import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from threefold.config import Config
 from threefold.errors import ConfigError
+from threefold.planner.categories import SIGMA_PRIOR, fit_categories, interval, kendall_tau, sigmas, with_categories
 from threefold.planner.cluster import Cluster, check_cluster
-from threefold.planner.cost import from_unit, merge_terms, step_terms, unit
-from threefold.planner.layout import Layout
+from threefold.planner.cost import from_unit, merge_terms, seconds, step_terms, unit
 from threefold.planner.model import model_shape
-from threefold.planner.validation import bands_from_rows
+from threefold.planner.runs import SPANS, Run, _config_from, load_run  # noqa: F401 (load_run, _config_from: API)
+from threefold.planner.validation import MEASURED_AS, bands_from_rows
 
-# Measured part of a step -> (span categories of spans.jsonl it sums, predicted categories it is).
-SPANS = {
-    "span_work_s": (
-        ("forward", "backward", "weight_grad", "recompute", "pp_bubble", "sync", "data_wait", "other"),
-        ("compute", "recompute", "overhead", "bubble"),
-    ),
-    "span_tp_comm_s": (("tp_comm",), ("tp_comm",)),
-    "span_ep_comm_s": (("ep_a2a",), ("ep_comm",)),
-    "span_pp_comm_s": (("pp_p2p",), ("pp_comm",)),
-    "span_dp_comm_s": (("dp_exposed",), ("dp_comm",)),
-    "span_optimizer_s": (("optimizer",), ("optimizer",)),
-}
 EXPONENT = "core_share_exponent"  # fitted on a grid, not by least squares (see fit)
-SPAN_WORK = ("forward", "backward", "weight_grad", "recompute")
+GEMM = "gemm_half_dim"  # likewise
+GEMM_GRID = (0.0, 16.0, 32.0, 64.0, 128.0, 256.0)
 # Every measured key -> the predicted categories (or `StepTerms.extra` entries) it sums.
 MEASURED = {"pp_idle_s": ("pp_idle",), **{key: cats for key, (_, cats) in SPANS.items()}}
 PRIORITY = (
@@ -64,129 +57,8 @@ PRIORITY = (
     "inter_bw_gbps",
     "inter_latency_us",
     "mem_bw_gbps",
+    "elementwise_bw_gbps",
 )
-
-
-@dataclass
-class Run:
-    """One measured run, reduced to what the planner predicts."""
-
-    path: str
-    cfg: Config
-    layout: Layout
-    dtype: str
-    step_time_s: float
-    """Median step time after the warm-up steps."""
-    categories: dict[str, float]
-    """Median measured seconds per MEASURED key the run recorded (and is > 0)."""
-    steps_used: int
-    peak_flops: float | None
-    """Per-device peak the run measured (CPU) or looked up, from run.json."""
-    host_cores: int | None
-    device_type: str
-
-    @property
-    def name(self) -> str:
-        return Path(self.path).name or self.path
-
-
-def _config_from(data: dict) -> Config:
-    cfg = Config()
-    for section, values in data.items():
-        part = getattr(cfg, section, None)
-        if part is None or not isinstance(values, dict):
-            continue
-        names = {f.name for f in dataclasses.fields(part)}
-        for key, value in values.items():
-            if key in names:
-                setattr(part, key, value)
-    return cfg
-
-
-def load_run(path: str, warmup: int | None = None) -> Run:
-    """Read a run directory; `warmup` first steps are dropped (default: a fifth, at least 1)."""
-    root = Path(path)
-    run_json, metrics = root / "run.json", root / "metrics.jsonl"
-    if not run_json.is_file() or not metrics.is_file():
-        raise ConfigError("--calibrate", f"{path} is not a run directory (needs run.json and metrics.jsonl)")
-    try:
-        info = json.loads(run_json.read_text(encoding="utf-8"))
-        records = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except ValueError as err:
-        raise ConfigError("--calibrate", f"{path}: unreadable run files ({err})") from None
-    cfg = _config_from(info.get("config", {}))
-    records = [r for r in records if isinstance(r.get("step_time_s"), (int, float))]
-    if len(records) < 2:
-        raise ConfigError("--calibrate", f"{path} has {len(records)} timed steps; calibration needs at least 2")
-    skip = max(1, len(records) // 5) if warmup is None else warmup
-    used = records[skip:] or records[-1:]
-    step = statistics.median(r["step_time_s"] for r in used)
-    per_step = {key: [r[key]] for r in used for key in ("pp_idle_s",) if isinstance(r.get(key), (int, float))}
-    for key, values in _slowest_rank_spans(root / "spans.jsonl", {r.get("step") for r in used}).items():
-        per_step.setdefault(key, []).extend(values)
-    cats = {}
-    for key, values in per_step.items():
-        if statistics.median(values) > 0:  # relative residuals need a positive measurement
-            cats[key] = statistics.median(values)
-    p, t = cfg.parallel, cfg.train
-    layout_info = info.get("layout", {})
-    layout = Layout(
-        tp=layout_info.get("tp", p.tp),
-        pp=layout_info.get("pp", p.pp),
-        dp=layout_info.get("dp", p.dp),
-        vpp=p.vpp,
-        mbs=t.micro_batch,
-        schedule=p.schedule if p.pp > 1 else "1f1b",
-        zero=p.zero,
-        sp=p.sp,
-        recompute=t.recompute,
-        ep=p.ep,
-    )
-    hardware = info.get("hardware", {})
-    extra = info.get("extra", {})
-    device_type = hardware.get("device_type", "cpu")
-    dtype_text = str(extra.get("dtype", t.dtype))
-    dtype = (
-        "bf16"
-        if "bfloat16" in dtype_text or dtype_text == "bf16"
-        else ("fp32" if ("float32" in dtype_text or dtype_text == "fp32" or device_type == "cpu") else "bf16")
-    )
-    peak = extra.get("peak_flops_per_device")
-    return Run(
-        path=str(path),
-        cfg=cfg,
-        layout=layout,
-        dtype=dtype,
-        step_time_s=step,
-        categories=cats,
-        steps_used=len(used),
-        peak_flops=float(peak) if isinstance(peak, (int, float)) else None,
-        host_cores=hardware.get("logical_cores"),
-        device_type=device_type,
-    )
-
-
-def _slowest_rank_spans(path: Path, steps: set) -> dict[str, list[float]]:
-    """Per SPANS key, the seconds the slowest rank (most compute) spent there, one value per step
-    line of spans.jsonl whose steps are all in `steps` ({} without the file)."""
-    out: dict[str, list[float]] = {}
-    if not path.is_file():
-        return out
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash
-        ranks = rec.get("ranks") or []
-        # A line averages the `steps` steps up to its own (one per log.interval): it counts
-        # only when every one of them is a step in use (none of the warm-up).
-        last, window = rec.get("step"), rec.get("steps", 1)
-        if not ranks or not isinstance(last, int) or not all(s in steps for s in range(last - window + 1, last + 1)):
-            continue
-        slowest = max(ranks, key=lambda r: sum(r["time_s"].get(c, 0.0) for c in SPAN_WORK))["time_s"]
-        for key, (spans, _) in SPANS.items():
-            out.setdefault(key, []).append(sum(slowest.get(c, 0.0) for c in spans))
-    return out
 
 
 def cluster_for_run(base: Cluster, run: Run, explicit: set[str] = frozenset()) -> Cluster:
@@ -216,6 +88,13 @@ class Row:
     held_out: bool
     split: dict[str, float] = dataclasses.field(default_factory=dict)
     """Step rows: the fitted prediction per category, seconds."""
+    lo: float = 0.0
+    hi: float = 0.0
+    """The fitted prediction's interval (categories.interval), seconds."""
+
+    @property
+    def covered(self) -> bool:
+        return self.lo <= self.measured <= self.hi
 
 
 @dataclass
@@ -226,10 +105,15 @@ class Calibration:
     free: list[str]
     rows: list[Row]
 
+    def tau(self, held_out_only: bool = False) -> float | None:
+        """Kendall's tau between predicted and measured step times over the runs."""
+        steps = [r for r in self.rows if r.category == "step" and (r.held_out or not held_out_only)]
+        return kendall_tau([r.fitted for r in steps], [r.measured for r in steps])
+
     def changes(self) -> dict[str, tuple[float, float]]:
         return {
             name: (getattr(self.prior, name), getattr(self.cluster, name))
-            for name in PRIORITY + (EXPONENT,)
+            for name in PRIORITY + (EXPONENT, GEMM)
             if name in self.free or getattr(self.prior, name) != getattr(self.cluster, name)
         }
 
@@ -241,6 +125,8 @@ class Calibration:
         return {
             "fitted": {k: {"prior": a, "fitted": b} for k, (a, b) in self.changes().items()},
             "error_bands": {k: b._asdict() for k, b in self.bands().items()},
+            "categories": self.cluster.categories,
+            "kendall_tau": self.tau(),
             "rows": [
                 {
                     "run": r.run.path,
@@ -251,6 +137,8 @@ class Calibration:
                     "predicted_s": r.fitted,
                     "error": r.fitted / r.measured - 1,
                     "held_out": r.held_out,
+                    "interval_s": [r.lo, r.hi],
+                    "covered": r.covered,
                     "predicted_split_s": r.split,
                 }
                 for r in self.rows
@@ -276,6 +164,14 @@ def _equations(runs: list[Run], base: Cluster, explicit: set[str]):
     return eqs
 
 
+def _measured_seconds(st, cl: Cluster, key: str) -> float:
+    """The prediction of a measured key: its categories' seconds, each with its own parameters."""
+    if key == "step":
+        return sum(st.times(cl).values())
+    parts = {**st.categories, **st.extra}
+    return sum(seconds(parts.get(c, {}), cl, c) for c in MEASURED[key])
+
+
 def _predict(terms: dict, cl: Cluster, values: dict[str, float]) -> float:
     return sum(coef * (values[n] if n in values else unit(cl, n)) for n, coef in terms.items())
 
@@ -298,10 +194,16 @@ def fit(
     if not runs:
         raise ConfigError("--calibrate", "no runs to calibrate on")
     for name in free or ():
-        if name not in PRIORITY + (EXPONENT,):
+        if name not in PRIORITY + (EXPONENT, GEMM):
             raise ConfigError(
-                "--fit", f"{name!r} is not a fittable parameter", "valid: " + ", ".join(PRIORITY + (EXPONENT,))
+                "--fit", f"{name!r} is not a fittable parameter", "valid: " + ", ".join(PRIORITY + (EXPONENT, GEMM))
             )
+    base = _with(base, categories={})  # a profile's own category values are what is refitted
+    halves = [base.gemm_half_dim]
+    if (free is None or GEMM in free) and _gemm_shapes_differ(runs):
+        halves = list(GEMM_GRID)
+    if free and GEMM in free:
+        free = [n for n in free if n != GEMM] or None
     if any(run.step_time_s <= 0 for run in runs):
         raise ConfigError("--calibrate", "a run has a non-positive step time")
     exponents = [base.core_share_exponent]
@@ -316,27 +218,66 @@ def fit(
         free = [n for n in free if n != EXPONENT] or None
     best = None
     for exponent in exponents:
-        trial = _with(base, core_share_exponent=exponent)
-        fitted, names, cost = _linear_fit(_equations(runs, trial, explicit), trial, free)
-        if best is None or cost < best[2] - 1e-12:
-            best = (fitted, names, cost)
+        for half in halves:
+            trial = _with(base, core_share_exponent=exponent, gemm_half_dim=half)
+            fitted, names, cost = _linear_fit(_equations(runs, trial, explicit), trial, free)
+            if best is None or cost < best[2] - 1e-12:
+                best = (fitted, names, cost)
     fitted, names, _ = best
-    if len(exponents) > 1:
-        names = names + [EXPONENT]
+    names = names + [EXPONENT] * (len(exponents) > 1) + [GEMM] * (len(halves) > 1)
     check_cluster(fitted)
+    own = fit_categories(_equations(runs, fitted, explicit), fitted, MEASURED_AS)
+    fitted = with_categories(fitted, own, {})
     rows = []
     for group, flag in ((runs, False), (list(held_out), True)):
         for run, cat, terms, cl, measured, _ in _equations(group, base, explicit):
             cl_fit = cluster_for_run(fitted, run, explicit)
             st_fit = step_terms(model_shape(run.cfg.model), cl_fit, run.layout, run.cfg.train.global_batch, run.dtype)
-            terms_fit = (
-                st_fit.total()
-                if cat == "step"
-                else merge_terms(*({**st_fit.categories, **st_fit.extra}.get(c, {}) for c in MEASURED[cat]))
-            )
             split = st_fit.times(cl_fit) if cat == "step" else {}
-            rows.append(Row(run, cat, measured, _predict(terms, cl, {}), _predict(terms_fit, cl_fit, {}), flag, split))
+            pred = _measured_seconds(st_fit, cl_fit, cat)
+            rows.append(Row(run, cat, measured, _predict(terms, cl, {}), pred, flag, split))
+    # Degrees of freedom used: a category's own parameters; the shared fit's spread over step and work rows.
+    used = {band: len(values) for band, values in own.items()}
+    used.update(step=1, work=1)
+    fitted_rows = [r for r in rows if not r.held_out]
+    spread = sigmas(fitted_rows, used, MEASURED_AS)
+    spread = {b: max(v, noise_floor(fitted_rows, b)) for b, v in spread.items()}
+    fitted = with_categories(fitted, own, spread)
+    for r in rows:
+        r.lo, r.hi = interval(r.fitted, spread.get(MEASURED_AS.get(r.category, ""), SIGMA_PRIOR))
     return Calibration(fitted, base, names, rows)
+
+
+def leave_one_out(runs: list[Run], base: Cluster, free: list[str] | None = None, explicit=frozenset()) -> Calibration:
+    """Each run predicted (with its interval) by a fit on all the others: the rows a calibration
+    on this matrix would get on a run it has not seen. The cluster is the fit on all runs, with
+    each category's log_sigma measured on these held-out rows instead."""
+    if len(runs) < 3:
+        raise ConfigError("--calibrate", f"leave-one-out needs at least 3 runs, got {len(runs)}")
+    rows: list[Row] = []
+    for i, run in enumerate(runs):
+        part = fit(runs[:i] + runs[i + 1 :], base, free, [run], explicit)
+        rows += [r for r in part.rows if r.held_out]
+    whole = fit(runs, base, free, (), explicit)
+    spread = sigmas(rows, {}, MEASURED_AS)
+    spread = {b: max(v, noise_floor(rows, b)) for b, v in spread.items()}
+    own = {b: {k: v for k, v in p.items() if k != "log_sigma"} for b, p in whole.cluster.categories.items()}
+    return Calibration(with_categories(whole.cluster, own, spread), whole.prior, whole.free, rows)
+
+
+def noise_floor(rows: list[Row], band: str) -> float:
+    """The root mean square over `band`'s rows of their run's step-to-step spread in log space:
+    the least sigma an interval may have, since run-to-run noise is at least the within-run one.
+    Rows only: a run whose category the model predicts hidden (no row) adds no noise to it."""
+    values = [
+        r.run.noise[r.category] for r in rows if MEASURED_AS.get(r.category) == band and r.category in r.run.noise
+    ]
+    return math.sqrt(sum(v * v for v in values) / len(values)) if values else 0.0
+
+
+def _gemm_shapes_differ(runs: list[Run]) -> bool:
+    """Whether the runs' GEMMs differ in shape (tp, micro-batch or model), so a small-GEMM curve shows."""
+    return len({(r.layout.tp, r.layout.mbs, r.cfg.model.hidden, r.cfg.model.seq_len) for r in runs}) > 1
 
 
 def _shares_differ(runs: list[Run], base: Cluster, explicit: set[str]) -> bool:

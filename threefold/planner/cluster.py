@@ -44,7 +44,14 @@ class Cluster:
         -1.0,
         "Fixed cost of one collective call: launch and the group's rendezvous (cpu: a scheduling round) (-1 = profile)",
     )
-    compute_efficiency: float = knob(0.0, "Fraction of peak the model's matmuls reach (0 = the profile's prior)")
+    compute_efficiency: float = knob(0.0, "Fraction of peak the model's large matmuls reach (0 = the profile's prior)")
+    gemm_half_dim: float = knob(
+        -1.0,
+        "A GEMM's smallest dimension at which it reaches half of compute_efficiency (-1 = profile; 0 = no penalty)",
+    )
+    elementwise_bw_gbps: float = knob(
+        0.0, "Memory bandwidth element-wise work reaches (norms, activations, softmax, residuals), GB/s (0 = profile)"
+    )
     layer_overhead_us: float = knob(-1.0, "Time per layer and micro-batch, fwd + bwd: launches, Python (-1 = profile)")
     step_overhead_s: float = knob(-1.0, "Fixed time per step outside the model: data, logging, sync (-1 = profile)")
     dp_overlap: float = knob(-1.0, "Fraction of DP/ZeRO communication hidden under backward (-1 = profile; 0 = none)")
@@ -62,6 +69,15 @@ class Cluster:
         compare=False,
         metadata={
             "doc": "Error band of each predicted category, from a calibrated profile's [validation] table",
+            "table": True,
+        },
+    )
+    categories: dict = field(
+        default_factory=dict,
+        repr=False,
+        compare=False,
+        metadata={
+            "doc": "Per measured category: its own fitted parameters and log_sigma, a profile's [categories.NAME]",
             "table": True,
         },
     )
@@ -103,6 +119,8 @@ _GPU_COMMON = dict(
     dp_overlap=0.0,
     tp_overlap=0.0,
     devices_per_node=8,
+    # Tensor-core GEMMs need large tiles: one with a side of 64 runs at about half its large-shape rate.
+    gemm_half_dim=64.0,
 )
 PROFILES: dict[str, dict[str, Any]] = {
     "a100-40gb": dict(
@@ -110,6 +128,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         peak_name="NVIDIA A100-SXM4-40GB",
         memory_gib=40.0,
         mem_bw_gbps=1555.0,
+        elementwise_bw_gbps=1400.0,  # ~90% of the datasheet: what element-wise kernels stream
         intra_bw_gbps=235.0,
         inter_bw_gbps=23.0,
         compute_efficiency=0.7,
@@ -119,6 +138,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         peak_name="NVIDIA A100-SXM4-80GB",
         memory_gib=80.0,
         mem_bw_gbps=2039.0,
+        elementwise_bw_gbps=1800.0,  # ~90% of the datasheet: what element-wise kernels stream
         intra_bw_gbps=235.0,
         inter_bw_gbps=23.0,
         compute_efficiency=0.7,
@@ -128,6 +148,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         peak_name="NVIDIA H100 80GB HBM3",
         memory_gib=80.0,
         mem_bw_gbps=3350.0,
+        elementwise_bw_gbps=3000.0,  # ~90% of the datasheet: what element-wise kernels stream
         intra_bw_gbps=360.0,
         inter_bw_gbps=45.0,
         compute_efficiency=0.6,
@@ -137,6 +158,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         peak_name="NVIDIA H200",
         memory_gib=140.0,
         mem_bw_gbps=4800.0,
+        elementwise_bw_gbps=4300.0,  # ~90% of the datasheet: what element-wise kernels stream
         intra_bw_gbps=360.0,
         inter_bw_gbps=45.0,
         compute_efficiency=0.62,
@@ -158,6 +180,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         inter_latency_us=1400.0,
         collective_overhead_us=3700.0,
         compute_efficiency=0.5,
+        gemm_half_dim=16.0,  # one core's blocked matmul saturates early
+        # one thread's eager element-wise ops on activations that small micro-batches keep in cache
+        elementwise_bw_gbps=20.0,
         layer_overhead_us=1000.0,
         step_overhead_s=0.01,
         dp_overlap=0.0,
@@ -185,6 +210,8 @@ _FROM_PROFILE_IF = {
     "inter_latency_us": 0.0,
     "collective_overhead_us": -1.0,
     "compute_efficiency": 0.0,
+    "gemm_half_dim": -1.0,
+    "elementwise_bw_gbps": 0.0,
     "layer_overhead_us": -1.0,
     "step_overhead_s": -1.0,
     "dp_overlap": -1.0,
@@ -273,6 +300,9 @@ def build_cluster(overrides: dict[str, Any] | list[tuple[str, Any]] = (), cache_
     cluster = Cluster(**values)
     if given.get("profile"):
         cluster.validation = read_validation(given["profile"])
+        from threefold.planner.categories import read_categories
+
+        cluster.categories = read_categories(given["profile"])
     cluster.device = device_name(cluster.device)
     _fill_from_profile(cluster, cache_dir)
     check_cluster(cluster)
@@ -325,7 +355,7 @@ def check_cluster(c: Cluster) -> None:
         raise ConfigError("cluster.nodes", f"must be >= 1, got {c.nodes}")
     if c.devices_per_node < 1:
         raise ConfigError("cluster.devices_per_node", f"must be >= 1, got {c.devices_per_node}")
-    for key in ("peak_tflops", "memory_gib", "mem_bw_gbps", "intra_bw_gbps", "inter_bw_gbps"):
+    for key in ("peak_tflops", "memory_gib", "mem_bw_gbps", "elementwise_bw_gbps", "intra_bw_gbps", "inter_bw_gbps"):
         if getattr(c, key) <= 0:
             raise ConfigError(f"cluster.{key}", f"must be > 0, got {getattr(c, key)}")
     if not 0 < c.compute_efficiency <= 1:
@@ -337,6 +367,7 @@ def check_cluster(c: Cluster) -> None:
             raise ConfigError(f"cluster.{key}", f"{getattr(c, key)} is outside [0, 1]")
     for key in (
         "reserved_gib",
+        "gemm_half_dim",
         "intra_latency_us",
         "inter_latency_us",
         "collective_overhead_us",
@@ -372,4 +403,6 @@ def profile_toml(c: Cluster, comment: str = "", bands: dict | None = None) -> st
         if name == "profile":
             continue
         lines.append(f"{name} = {toml_value(getattr(c, name))}")
+    for name, values in c.categories.items():
+        lines += ["", f"[categories.{name}]"] + [f"{k} = {toml_value(float(v))}" for k, v in values.items()]
     return "\n".join(lines + toml_lines(bands or {})) + "\n"

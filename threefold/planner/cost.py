@@ -13,7 +13,9 @@ sum(coefficient * unit(parameter)), where unit() is, per parameter:
 
 The categories of one optimizer step on the slowest pipeline rank:
 
-    compute    model FLOPs of the rank's m micro-batches / (peak * compute_efficiency)
+    compute    model FLOPs of the rank's m micro-batches / (peak * compute_efficiency), each layer's
+               times its GEMMs' small-shape factor (planner/kernels.py), plus the memory-bound
+               work's bytes / elementwise_bw_gbps
     recompute  the forward work recomputation does again (selective: attention core; full: layers)
     tp_comm    TP: 4 all-reduces of sbh per layer and micro-batch (2 forward, 2 backward); SP: 4
                all-gathers + 4 reduce-scatters + the 2 all-gathers backward repeats to rebuild
@@ -28,22 +30,28 @@ The categories of one optimizer step on the slowest pipeline rank:
     ep_comm    per MoE block and micro-batch, 4 all-to-alls (dispatch and combine, forward and
                backward; full recompute repeats the forward's 2) of (b s / t) top_k h, each rank
                sending (ep-1)/ep of it, plus a latency-only exchange of counts per forward
-    pp_comm    2 (v m + p - 1) point-to-point transfers of sbh (sbh/t under SP) on the critical path
+    pp_comm    the slowest rank's own point-to-point transfers of sbh (sbh/t under SP): an end rank
+               sends and receives 2 m (2 v - 1), a middle one 4 m v (what its pp_p2p span times)
     bubble     (compute + recompute + tp_comm + ep_comm + layer overhead) * B/(1-B), B = bubble_theory(...):
                the ideal-time form (p-1)/m (gpipe, 1f1b), (p-1)/(v m) (interleaved), (p-1)/(3m) (zb).
                Processes sharing too few cores (cpu): what the larger of the critical path at a
                full core and all ranks' work over the cores leaves beyond the rank's own work
     dp_comm    ZeRO 0 all-reduce 2(N-1)/N P; 1 and 2 reduce-scatter + all-gather, the same volume;
                3 reduce-scatter + an all-gather per micro-batch forward and backward; (1 - dp_overlap)
-               of it exposed. MoE: dense parameters over dp, the experts (E_params / ep per
+               of it exposed; on the last pipeline stage only what outlasts the p - 1 backward
+               passes the earlier stages still run. MoE: dense parameters over dp, the experts (E_params / ep per
                device) over expert_dp = tp * dp / ep, the same formulas
     optimizer  AdamW reads and writes its state once: P_opt (2 K_opt + K_param + K_grad) bytes / mem_bw
+               (at the process's core share, cpu: the bandwidth is the core's)
     overhead   layer_overhead per layer pass + step_overhead
 
 Links: TP over the intra-node link while tp fits in a node; DP inside a node while tp*dp does;
 EP while tp*ep does (order tp-cp-ep-dp-pp: an ep group spans tp*ep neighbouring ranks); PP over
 the inter-node link as soon as there is more than one node. Latency: a ring step per peer
 inside a node; across nodes NCCL's trees pay ~2 log2(N) steps instead of 2(N-1).
+
+A calibrated cluster may carry a measured category's own parameters (`Cluster.categories`,
+from per-category least squares in calibrate.py); unit() uses them for that category's terms.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ import math
 from dataclasses import dataclass, field
 
 from threefold.planner.cluster import Cluster
+from threefold.planner.kernels import elementwise_bytes, gemm_factor, head_factor
 from threefold.planner.layout import Layout
 from threefold.planner.memory import ACT_BYTES
 from threefold.planner.model import ModelShape
@@ -59,6 +68,7 @@ from threefold.planner.model import ModelShape
 CATEGORIES = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "overhead")
 PARAMS = (
     "compute_efficiency",
+    "elementwise_bw_gbps",
     "intra_bw_gbps",
     "inter_bw_gbps",
     "intra_latency_us",
@@ -72,9 +82,13 @@ PARAMS = (
 Terms = dict  # parameter name -> coefficient
 
 
-def unit(cluster: Cluster, name: str) -> float:
-    """Seconds per unit of coefficient for parameter `name` (see the module docstring)."""
-    value = getattr(cluster, name)
+def unit(cluster: Cluster, name: str, category: str = "") -> float:
+    """Seconds per unit of coefficient for parameter `name` (see the module docstring), with
+    `category`'s own fitted value where the cluster has one."""
+    from threefold.planner.validation import BAND_OF
+
+    own = cluster.categories.get(BAND_OF.get(category, category), {}) if category else {}
+    value = own.get(name, getattr(cluster, name))
     if name == "compute_efficiency":
         return 1.0 / value
     if name.endswith("_gbps"):
@@ -95,8 +109,8 @@ def from_unit(name: str, u: float) -> float:
     return u
 
 
-def seconds(terms: Terms, cluster: Cluster) -> float:
-    return sum(coef * unit(cluster, name) for name, coef in terms.items())
+def seconds(terms: Terms, cluster: Cluster, category: str = "") -> float:
+    return sum(coef * unit(cluster, name, category) for name, coef in terms.items())
 
 
 def _add(into: Terms, name: str, coef: float) -> None:
@@ -151,7 +165,7 @@ class StepTerms:
     """Quantities that are not part of the step sum: "pp_idle", the idlest rank's receive wait."""
 
     def times(self, cluster: Cluster) -> dict[str, float]:
-        return {c: seconds(self.categories.get(c, {}), cluster) for c in CATEGORIES}
+        return {c: seconds(self.categories.get(c, {}), cluster, c) for c in CATEGORIES}
 
     def total(self) -> Terms:
         return merge_terms(*self.categories.values())
@@ -177,13 +191,21 @@ def step_terms(
     full = int(layout.recompute == "full")
     shared = bool(getattr(shape.cfg, "shared_expert", False))
 
+    gemm = gemm_factor(shape.cfg, tokens, t, cluster.gemm_half_dim)
+    head_gemm = head_factor(shape.cfg, tokens, t, cluster.gemm_half_dim)
+    moved = elementwise_bytes(shape.cfg, t, act, layout.sp, cluster.device != "cpu") * tokens / share
+
     def micro_batch(layers: int, has_head: bool) -> dict[str, Terms]:
         """One micro-batch on a pipeline rank holding `layers` (all its v chunks)."""
-        base = (layers * shape.layer_hw_flops["none"] + (shape.head_flops if has_head else 0.0)) * tokens / t
-        extra = layers * (shape.layer_hw_flops[layout.recompute] - shape.layer_hw_flops["none"]) * tokens / t
+        head = shape.head_flops * head_gemm if has_head else 0.0
+        base = (layers * shape.layer_hw_flops["none"] * gemm + head) * tokens / t
+        extra = layers * (shape.layer_hw_flops[layout.recompute] - shape.layer_hw_flops["none"]) * gemm * tokens / t
         mb = {
-            "compute": {"compute_efficiency": base / peak},
-            "recompute": {"compute_efficiency": extra / peak},
+            "compute": {"compute_efficiency": base / peak, "elementwise_bw_gbps": layers * moved},
+            # full recompute repeats the forward's element-wise third
+            "recompute": _scaled({"compute_efficiency": extra / peak, "elementwise_bw_gbps": layers * moved / 3}, 1)
+            if full
+            else {"compute_efficiency": extra / peak},
             "tp_comm": {},
             "ep_comm": {},
             "overhead": {},
@@ -212,7 +234,8 @@ def step_terms(
                 n_ar += 2
             nbytes = n_ar * 2 * ring * x + n_ag * ring * x
             steps = n_ar * _latency_steps(t, tp_link, 2 * (t - 1)) + (n_ag + n_lat) * _latency_steps(t, tp_link, t - 1)
-            _collective(mb["tp_comm"], tp_link, exposed * nbytes, exposed * steps, exposed * (n_ar + n_ag + n_lat))
+            calls = n_ar + n_ag + n_lat
+            _collective(mb["tp_comm"], tp_link, exposed * nbytes, exposed * steps, exposed * calls)
         if layout.ep > 1 and moe:
             a2a = ep_all_to_all(shape, cluster, layout, act)
             # dispatch + combine forward and the same two backward; full recompute repeats the
@@ -252,7 +275,9 @@ def step_terms(
     cats["pp_comm"] = {}
     pp_link = "intra" if cluster.nodes == 1 else "inter"
     if p > 1:
-        n = 2 * (m * v + p - 1)
+        # The slowest rank's own transfers: an end rank sends and receives once per micro-batch
+        # and chunk boundary it owns, a middle rank (p >= 3 has one on the critical path) both ways.
+        n = 4 * m * v if p >= 3 else 2 * m * (2 * v - 1)
         x = tokens * h * act / (t if layout.sp else 1)
         # Sends and receives are posted ahead and wait for no group: no rendezvous to pay.
         _collective(cats["pp_comm"], pp_link, n * x, n, 0)
@@ -278,13 +303,22 @@ def step_terms(
             nbytes, steps, calls = _gradient_sync(numel, n, layout.zero, m, dp_link, kp, kg)
             _collective(cats["dp_comm"], dp_link, exposed * nbytes, exposed * steps, exposed * calls)
 
+    if p > 1 and rank == "last" and cats["dp_comm"]:
+        # 1F1B: the last stage's final backward ends p - 1 backward passes before the first
+        # stage's, and its reduction runs in that window; only what outlasts it is exposed
+        # (evaluated at the cluster's values, which keeps the terms linear around them).
+        window = (p - 1) * seconds(mb["compute"], cluster, "compute") * 2 / 3
+        comm = seconds(cats["dp_comm"], cluster, "dp_comm")
+        cats["dp_comm"] = _scaled(cats["dp_comm"], max(0.0, comm - window) / comm) if comm > 0 else {}
     opt_numel = (dense / d + expert / edp) if layout.zero >= 1 else dense + expert
-    cats["optimizer"] = {"mem_bw_gbps": opt_numel * (2 * ko + kp + kg)}
+    cats["optimizer"] = {"mem_bw_gbps": opt_numel * (2 * ko + kp + kg) / share}
     cats["overhead"] = merge_terms(cats["overhead"], {"step_overhead_s": 1.0})
     # The idlest rank waits for the bubble, the transfers and for the slowest rank's extra work.
     imbalance = merge_terms(_scaled(merge_terms(*mb.values()), m), _scaled(merge_terms(*light.values()), -m))
     extra = {"pp_idle": merge_terms(cats["bubble"], cats["pp_comm"], imbalance) if p > 1 else {}}
-    hw_flops = sum(mb[k]["compute_efficiency"] for k in ("compute", "recompute") if mb[k]) * peak * m
+    slow_layers = shape.layers if p == 1 else (split.last_layers if rank == "last" else split.first_layers)
+    hw_flops = slow_layers * shape.layer_hw_flops[layout.recompute] + (shape.head_flops if rank == "last" else 0)
+    hw_flops *= tokens / t * m
     links = {"tp": tp_link, "pp": pp_link, "dp": dp_link, "ep": ep_link}
     return StepTerms(cats, rank, hw_flops, links, extra)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from threefold.config import ModelConfig
 from threefold.observe.flops import active_params
 from threefold.planner.cluster import Cluster, GiB
@@ -156,8 +158,11 @@ def describe_prediction(p: Prediction, cluster: Cluster) -> str:
         f"{m.optimizer / GiB:.2f} + activations {m.activations / GiB:.2f} ({_plural(m.inflight, 'micro-batch')} "
         f"in flight) + buffers {m.buffers / GiB:.2f}"
         + (f"; the experts' share of the model state {m.expert_state / GiB:.2f}" if m.expert_state else ""),
-        f"  step {p.step_time_s:.4g} s, {_num(p.tokens_per_s)} tokens/s, {p.model_tflops_per_device:.4g} model "
-        f"TFLOP/s per device, MFU {p.mfu:.1%} (HFU {p.hfu:.1%}), bubble {p.bubble_fraction:.1%} of the step",
+        f"  step {p.step_time_s:.4g} s [{p.intervals['step'][0]:.4g}-{p.intervals['step'][1]:.4g}"
+        f"{'' if p.calibrated else ', uncalibrated'}], {_num(p.tokens_per_s)} tokens/s "
+        f"[{_num(p.tokens_per_s_interval[0])}-{_num(p.tokens_per_s_interval[1])}], "
+        f"{p.model_tflops_per_device:.4g} model TFLOP/s per device, MFU {p.mfu:.1%} (HFU {p.hfu:.1%}), "
+        f"bubble {p.bubble_fraction:.1%} of the step",
         f"  time: {split_text(p, cluster.validation)}",
     ]
     if p.devices_used < cluster.world:
@@ -255,7 +260,7 @@ def calibration_text(cal) -> str:
         lines.append("fitted: " + ", ".join(f"{k} {a:.4g} -> {b:.4g}" for k, (a, b) in changes.items()))
     else:
         lines.append("fitted nothing: no parameter could be told apart from the runs given")
-    cols = ("run", "layout", "what", "measured s", "prior s", "fitted s", "error", "fitted split")
+    cols = ("run", "layout", "what", "measured s", "prior s", "fitted s", "interval s", "error", "fitted split")
     rows = []
     for r in cal.rows:
         name = r.run.name + (" (held out)" if r.held_out else "")
@@ -269,17 +274,63 @@ def calibration_text(cal) -> str:
                 f"{r.measured:.4g}",
                 f"{r.prior:.4g}",
                 f"{r.fitted:.4g}",
+                f"{r.lo:.4g}-{r.hi:.4g}" + ("" if r.covered else " (misses)"),
                 f"{r.fitted / r.measured - 1:+.1%}",
                 _split_of(r.split),
             )
         )
-    lines.append(_columns(cols, rows, lambda i: i < 3 or i == 7))
+    lines.append(_columns(cols, rows, lambda i: i < 3 or i == 8))
     steps = [r for r in cal.rows if r.category == "step"]
     if steps:
         worst = max(abs(r.fitted / r.measured - 1) for r in steps)
         lines.append(f"worst step-time error {worst:.1%} over {len(steps)} runs")
-    lines += ["", band_text(cal.bands())]
+    own = {b: v for b, v in cal.cluster.categories.items() if set(v) - {"log_sigma"}}
+    if own:
+        lines.append(
+            "fitted per category: "
+            + "; ".join(
+                f"{b} " + ", ".join(f"{k} {v:.4g}" for k, v in p.items() if k != "log_sigma") for b, p in own.items()
+            )
+        )
+    lines += ["", band_text(cal.bands()), "", accuracy_text(cal)]
     return "\n".join(lines)
+
+
+def accuracy_text(cal) -> str:
+    """Per category: rows within 25% of measured, rows whose interval covers the measurement,
+    the interval's log sigma; and Kendall's tau of predicted vs measured step times."""
+    from threefold.planner.validation import MEASURED_AS
+
+    per: dict[str, list] = {}
+    for r in cal.rows:
+        if r.category in MEASURED_AS and r.measured > 0:
+            per.setdefault(MEASURED_AS[r.category], []).append(r)
+    rows = []
+    for band, rs in per.items():
+        within = [abs(r.fitted / r.measured - 1) <= TOLERANCE for r in rs]
+        covered = [r.covered for r in rs]
+        sigma = cal.cluster.categories.get(band, {}).get("log_sigma")
+        rows.append(
+            (
+                band,
+                str(len(rs)),
+                f"{sum(within)}/{len(rs)}",
+                f"{sum(covered)}/{len(rs)}",
+                f"{sum(a or b for a, b in zip(within, covered))}/{len(rs)}",
+                "-" if sigma is None else f"x/ {math.exp(2 * sigma):.3g}",
+            )
+        )
+    cols = ("category", "rows", f"within {TOLERANCE:.0%}", "interval covers", "either", "interval (2 sigma)")
+    tau, tau_held = cal.tau(), cal.tau(held_out_only=True)
+    steps = sum(r.category == "step" for r in cal.rows)
+    line = f"Kendall's tau, predicted vs measured step time over {steps} runs: " + _tau(tau)
+    if any(r.held_out for r in cal.rows) and not all(r.held_out for r in cal.rows):
+        line += f" (held-out runs only: {_tau(tau_held)})"
+    return _columns(cols, rows, lambda i: i == 0) + "\n" + line
+
+
+def _tau(tau) -> str:
+    return "-" if tau is None else f"{tau:+.2f}"
 
 
 def band_text(bands: dict) -> str:

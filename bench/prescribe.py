@@ -1,0 +1,161 @@
+"""Does applying `threefold report`'s first prescription make the run faster?
+
+For each knob pathology of issue #20 (too few micro-batches for pp 4, gradient buckets far too
+small or too large, data.prefetch 0 with a slowed source, full recompute where memory allows
+none) this trains the pathological config once with spans on, asks the report's diagnosis
+(observe.prescribe with the planner) for its first prescription, then measures tokens/s of
+the config before and after the knob change: `--rounds` rounds of one short run each way in
+the same process group (order alternating between rounds), each run's median tokens/s over its
+steps after `--warmup`; after / before is the median per-round ratio with its 95% bootstrap
+interval (bench/stats.py). Spans are off in the timed runs.
+
+pp 4 needs four cores to show its bubble as lost time: on fewer, a rank waiting in the bubble
+leaves its core to the others, the planner predicts no gain from more micro-batches and the report
+says so; "pp2 m2" is the same pathology at a size two cores can show.
+
+The slowed data source is the sampler sleeping `--data-sleep` seconds per step, patched into the
+single process that trains (world 1, so no spawned process misses the patch).
+
+    python bench/prescribe.py [--rounds 3] [--steps 10] [--warmup 3] [--only NAME ...] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
+from stats import paired_ratio, show  # noqa: E402
+
+from harness import run_training, run_training_many  # noqa: E402
+
+TINY = {"model.preset": "tiny", "train.warmup_steps": 2, "train.lr": 5e-4}
+# A wider model makes the gradient reduction large against the step (as tests/test_report.py does).
+WIDE = {"model.hidden": 256, "model.ffn_hidden": 704}
+PATHOLOGIES = {
+    "pp4 m4": {"parallel.pp": 4, "train.global_batch": 16, "train.micro_batch": 4},
+    "pp2 m2": {"parallel.pp": 2, "train.global_batch": 16, "train.micro_batch": 8},
+    "dp2 tiny buckets": {**WIDE, "parallel.dp": 2, "parallel.bucket_mb": 0.002, "train.global_batch": 16},
+    "dp2 one bucket": {**WIDE, "parallel.dp": 2, "parallel.bucket_mb": 1000, "train.global_batch": 16},
+    "prefetch 0, slow data": {"data.prefetch": 0, "train.global_batch": 8, "train.micro_batch": 4},
+    "full recompute": {"train.recompute": "full", "train.global_batch": 8, "train.micro_batch": 4},
+}
+SLOW_DATA = "prefetch 0, slow data"
+
+
+def world_of(over: dict) -> int:
+    return over.get("parallel.dp", 1) * over.get("parallel.tp", 1) * over.get("parallel.pp", 1)
+
+
+def slow_sampler(seconds: float):
+    """Make this process's sampler sleep `seconds` per step (the slowed data source); returns
+    the function that undoes it."""
+    from threefold.train.trainer import Trainer
+
+    batches = Trainer.batches
+
+    def slowed(self, step):
+        time.sleep(seconds)
+        return batches(self, step)
+
+    Trainer.batches = slowed
+    return lambda: setattr(Trainer, "batches", batches)
+
+
+def train(runs: dict[str, dict], root: Path, cache: str, world: int) -> dict[str, list[dict]]:
+    if world == 1:  # in this process: the data patch holds
+        return {name: run_training(over, root / name, cache) for name, over in runs.items()}
+    return run_training_many(runs, root, cache, world)
+
+
+def prescription(path: Path):
+    from threefold.observe.prescribe import best_knob, diagnose
+    from threefold.observe.rundir import load_run
+    from threefold.observe.summary import summarize
+    from threefold.planner.predict import RunPredictor
+
+    run = load_run(path)
+    found = diagnose(summarize(run), run.config, RunPredictor(run.info))
+    return (found[0], best_knob(found[0])) if found else (None, None)
+
+
+def measure(name: str, over: dict, args, root: Path, cache: str) -> dict:
+    base = {**TINY, **over, "train.steps": args.steps}
+    world = world_of(over)
+    train({"diagnosed": {**base, "log.spans": "true", "log.interval": 1}}, root / name, cache, world)
+    finding, knob = prescription(root / name / "diagnosed")
+    out = {"pathology": name, "finding": finding.text() if finding else None, "knob": None}
+    if knob is None:
+        return out
+    after = {**base, **{k: str(v).lower() if isinstance(v, bool) else v for k, v in knob.changes.items()}}
+    runs = {}
+    for i in range(args.rounds):  # before/after alternate in order between rounds
+        pair = (("before", base), ("after", after)) if i % 2 == 0 else (("after", after), ("before", base))
+        runs.update({f"{which}{i}": cfg for which, cfg in pair})
+    metrics = train(runs, root / name, cache, world)
+    tps = {k: statistics.median(r["tokens_per_s"] for r in v[args.warmup :]) for k, v in metrics.items()}
+    before = [tps[f"before{i}"] for i in range(args.rounds)]
+    later = [tps[f"after{i}"] for i in range(args.rounds)]
+    ratio = paired_ratio(later, before)
+    out.update(
+        knob=knob.cli(),
+        predicted=knob.gain,
+        source=knob.source,
+        before_tokens_per_s=before,
+        after_tokens_per_s=later,
+        ratio=ratio.__dict__,
+        ratio_text=show(ratio),
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of one run before and one after the change")
+    ap.add_argument("--steps", type=int, default=10, help="training steps per run")
+    ap.add_argument("--warmup", type=int, default=3, help="steps dropped at the start of each run")
+    ap.add_argument("--data-sleep", type=float, default=0.08, help="seconds the slowed sampler sleeps per step")
+    ap.add_argument("--only", nargs="+", choices=list(PATHOLOGIES), help="run only these pathologies")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="threefold-prescribe-") as tmp:
+        root, cache = Path(tmp), str(Path(tmp) / "cache")
+        for name in args.only or PATHOLOGIES:
+            undo = slow_sampler(args.data_sleep) if name == SLOW_DATA else (lambda: None)
+            t0 = time.perf_counter()
+            try:
+                results.append(measure(name, PATHOLOGIES[name], args, root, cache))
+            finally:
+                undo()
+            results[-1]["wall_s"] = time.perf_counter() - t0
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    print(
+        f"First prescription applied: {args.rounds} rounds of one run before and one after (order alternating), "
+        f"{args.steps} steps each, median tokens/s after the first {args.warmup}; after / before = median "
+        "per-round ratio [95% bootstrap interval]. Tiny preset on this host's CPU cores (gloo).\n"
+    )
+    print("| pathology | first prescription | predicted | before tokens/s | after tokens/s | after / before |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        if r["knob"] is None:
+            what = r["finding"] or "nothing above 3% of the step"
+            print(f"| {r['pathology']} | {what} (no knob) | | | | |")
+            continue
+        gain = "n/a" if r["predicted"] is None else f"{r['predicted']:+.0%} ({r['source']})"
+        print(
+            f"| {r['pathology']} | `{r['knob']}` | {gain} | {statistics.median(r['before_tokens_per_s']):,.0f} | "
+            f"{statistics.median(r['after_tokens_per_s']):,.0f} | {r['ratio_text']} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
