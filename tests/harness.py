@@ -19,7 +19,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
+# Workers fork from one server process that imported these once: a spawned worker would spend
+# ~3 s of CPU importing torch and threefold again, which is most of a short parity run.
+PRELOAD = ["torch", "torch.distributed", "threefold.train.worker", "threefold.train.trainer"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _entry(rank: int, world: int, port: int, fn, args, queue, environ: dict) -> None:
+    # The server's environment is the one it started with: the caller's is passed along.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -46,10 +60,13 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, may_exit: dict[int,
     init with env://. `may_exit` {rank: exit code}: ranks that are meant to die (a failure
     drill); their result is ("exited", code) and every other rank must still report."""
     may_exit = may_exit or {}
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue), daemon=True) for r in range(world)]
+    environ = dict(os.environ)
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, environ), daemon=True) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

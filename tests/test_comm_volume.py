@@ -32,6 +32,7 @@ RUN = {
     "parallel.zero": 1,
     "log.spans": "true",
     "log.interval": 1,  # a spans.jsonl line per step
+    "checkpoint.dir": "",  # the step's traffic only, not a save's metadata round at the end
 }
 
 
@@ -70,11 +71,11 @@ def expected(cfg, stage: int) -> dict[str, tuple[int, int]]:
     # (the padded buffer). ZeRO 1 norms need no dp traffic.
     numel, buckets = padded_numel(cfg, stage)
     dp = (2 * buckets, 2 * numel * 4)
-    # World: the control plane's MAX of 7 fp64 (two non-finite flags, memory, data wait, pipeline
-    # wait and idle, compute time) and the loss's SUM (fp64), whatever the world size; every step
+    # World: the control plane's MAX of 8 fp64 (two non-finite flags, memory, data wait, pipeline
+    # wait and idle, compute time, a stop signal) and the loss's SUM (fp64), whatever the world size; every step
     # here is a report step (log.interval 1): each rank's compute time (fp64) gathered to rank 0,
     # which handles all eight (see rank_0_world).
-    world = (3, 7 * 8 + 8 + 8)
+    world = (3, 8 * 8 + 8 + 8)
     return {"tp": (tp_calls, tp_bytes), "pp": pp, "dp": dp, "ep": (0, 0), "world": world}
 
 
@@ -94,5 +95,5 @@ def test_every_group_carries_what_the_layout_implies(spans):
         for rank in record["ranks"]:
             got = {g: (rank["comm_calls"][g], rank["comm_bytes"][g]) for g in ("tp", "pp", "dp", "ep", "world")}
             world = TP * PP * DP
-            rank_0_world = {"world": (3, 7 * 8 + 8 + 8 * world)} if rank["rank"] == 0 else {}
+            rank_0_world = {"world": (3, 8 * 8 + 8 + 8 * world)} if rank["rank"] == 0 else {}
             assert got == {**want[rank["pp"]], **rank_0_world}, (record["step"], rank["rank"])

@@ -38,6 +38,20 @@ def test_explicit_shape_beats_preset():
     assert cfg.model.layers == 2 and cfg.model.hidden == PRESETS["small"]["hidden"]
 
 
+def test_an_mha_preset_stays_mha_when_its_heads_change():
+    model = build_config(None, [("model.preset", "gpt-175b"), ("model.heads", "160")]).model
+    assert model.heads == model.kv_heads == 160
+    assert build_config(None, [("model.preset", "llama-70b"), ("model.heads", "128")]).model.kv_heads == 8  # GQA keeps
+    pairs = [("model.preset", "gpt-175b"), ("model.heads", "160"), ("model.kv_heads", "8")]
+    assert build_config(None, pairs).model.kv_heads == 8  # a kv_heads given wins
+    out = subprocess.run(
+        [sys.executable, "-m", "threefold", "plan", "--model.preset", "gpt-175b", "--model.heads", "160",
+         "--model.hidden", "25600", "--train.global_batch", "1536", "--cluster.nodes", "128"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "kv_heads" not in out.stderr and out.returncode == 0, out.stderr
+
+
 def test_toml_then_command_line(tmp_path):
     f = tmp_path / "run.toml"
     f.write_text("[train]\nsteps = 7\nlr = 0.5\n[parallel]\ndp = 2\n")

@@ -74,7 +74,7 @@ def test_checkpoint_async_is_the_key_of_a_keyword_named_field():
     assert build_config(None, [("checkpoint.async", "true")]).checkpoint.async_save is True
     assert "checkpoint.async = False" in describe("checkpoint")
     with pytest.raises(ConfigError, match="checkpoint.async: true needs checkpoint.dir"):
-        validate(build_config(None, [("checkpoint.async", "true")]))
+        validate(build_config(None, [("checkpoint.async", "true"), ("checkpoint.dir", "")]))
     with pytest.raises(ConfigError, match="did you mean 'checkpoint.async'"):
         build_config(None, [("checkpoint.asyn", "true")])
 
@@ -151,6 +151,13 @@ def test_killed_rank_restarts_and_resumes_exactly(straight, tmp_path, cache_dir)
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "skipping checkpoint step_00000004" in out.stdout + out.stderr
+    # The recovery is one line (the agent's own messages go to agent.log), naming the dead rank.
+    console = out.stdout + out.stderr
+    restarts = [line for line in console.splitlines() if line.startswith("threefold: restart")]
+    assert len(restarts) == 1 and f"after rank {rank} hung or died" in restarts[0], console[-3000:]
+    assert restarts[0].endswith("resumed at step 2 from step_00000002"), restarts
+    assert "Traceback" not in console and "torch/distributed" not in console, console[-3000:]
+    assert "ProcessExitedException" in (log / "agent.log").read_text()  # the agent's traceback, kept there
     rows = _metrics(log)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8]
     final = {r["step"]: r["loss"] for r in rows}  # later lines (after the restart) win
@@ -190,6 +197,11 @@ def test_hung_rank_fails_within_the_timeout(tmp_path, cache_dir):
     elapsed = time.monotonic() - t0
     assert out.returncode != 0
     assert "a collective timed out after train.timeout_s = 5 s" in out.stderr, out.stderr[-3000:]
+    # One line for the event, whatever the number of ranks that timed out: rank 1 is the one
+    # that did not report.
+    lines = [line for line in out.stderr.splitlines() if not line.startswith("threefold: fault injection")]
+    assert len(lines) == 1 and lines[0].startswith("threefold: rank 1 hung or died ("), out.stderr[-3000:]
+    assert "giving up (train.max_restarts is 0" in lines[0]
     assert elapsed < 150  # start-up + 2 steps + 5 s timeout + teardown, far below torch's 30 min
 
 

@@ -53,7 +53,10 @@ def test_categories_sum_to_the_step_time_on_every_rank(run3d):
         for rank in line["ranks"]:
             parts = rank["time_s"]
             assert set(parts) == set(CATEGORIES)
-            assert sum(parts.values()) == pytest.approx(step_time, rel=0.05), (rank["rank"], parts, step_time)
+            # A save (the last step's, checkpoint.dir defaults to <log.dir>/checkpoints) is its own
+            # category, outside step_time_s.
+            in_step = sum(v for k, v in parts.items() if k != "checkpoint")
+            assert in_step == pytest.approx(step_time, rel=0.05), (rank["rank"], parts, step_time)
             assert parts["forward"] > 0 and parts["backward"] > 0 and parts["tp_comm"] > 0
             assert parts["other"] < 0.2 * step_time  # the named spans cover the step
         for group in ("tp", "pp", "dp"):

@@ -116,7 +116,7 @@ for tp, pp, dp, rank in cases:
         "train.global_batch": dp, "train.micro_batch": 1, "train.steps": 4, "train.straggler_steps": 2,
         "train.nan_rollback_after": 0,  # received tensors hold whatever memory held: NaN, at times
         "log.interval": 2, "log.spans": "true", "log.dir": f"{root}/{world}_{rank}", "log.quiet": "true",
-        "data.cache_dir": cache, "data.prefetch": 0,
+        "data.cache_dir": cache, "data.prefetch": 0, "checkpoint.dir": "",
     }
     cfg = validate(build_config(None, [(k, str(v)) for k, v in pairs.items()]), world)
     t0 = time.perf_counter()
@@ -124,13 +124,13 @@ for tp, pp, dp, rank in cases:
     build_s = time.perf_counter() - t0
     trainer = Trainer(cfg, grid, torch.device("cpu"))
     marks = []
-    step = trainer.train_step
+    step = trainer.queue_step
 
     def marked(*args, **kwargs):
         marks.append((grid.world.stats.total_calls, grid.world.stats.total_bytes))
         return step(*args, **kwargs)
 
-    trainer.train_step = marked
+    trainer.queue_step = marked
     trainer.train()
     marks.append((grid.world.stats.total_calls, grid.world.stats.total_bytes))
     # What one step's control plane costs the host at this world size (collectives are instant here).
@@ -138,7 +138,7 @@ for tp, pp, dp, rank in cases:
     t0 = time.perf_counter()
     for _ in range(20):
         trainer.guard.agree(norm, loss, 0.1, trainer.engine, (1.0, 0.0, 0.0, 0.0))
-        trainer.guard.settle(trainer.guard.pending().tolist())
+        trainer.guard.settle(trainer.guard.take_pending().tolist())
     agree_s = (time.perf_counter() - t0) / 20
     trainer.guard.health._times = [0.1] * cfg.log.interval
     t0 = time.perf_counter()
@@ -166,19 +166,19 @@ def control(tmp_path_factory, cache_dir) -> dict:
 
 
 def test_control_plane_per_step_is_flat_in_the_world_size(control):
-    # A plain step: the MAX of 7 fp64 values and the loss's SUM over the world, on every rank and
-    # at every world size.
+    # A plain step: the MAX of 8 fp64 values (two flags, five worst values, a stop signal) and the
+    # loss's SUM over the world, on every rank and at every world size.
     for key, run in control.items():
-        assert [run["steps"][i] for i in (0, 2)] == [[2, 64], [2, 64]], (key, run["steps"])
+        assert [run["steps"][i] for i in (0, 2)] == [[2, 72], [2, 72]], (key, run["steps"])
     # A report step adds the gathers to rank 0 (compute times, spans): the same few bytes from
     # every other rank at 64 and at 16,384 ranks.
     assert control[64, 37]["steps"][1] == control[16384, 9999]["steps"][1] == control[16384, 9999]["steps"][3]
     calls, sent = control[16384, 9999]["steps"][1]
-    assert calls == 4 and sent < 64 + 1024, control[16384, 9999]["steps"]
+    assert calls == 4 and sent < 72 + 1024, control[16384, 9999]["steps"]
 
 
 def test_rank_0_gathers_in_linear_bytes_only_on_report_steps(control):
-    small, large = control[64, 0]["steps"][1][1] - 64, control[16384, 0]["steps"][1][1] - 64
+    small, large = control[64, 0]["steps"][1][1] - 72, control[16384, 0]["steps"][1][1] - 72
     per_rank = (large - small) / (16384 - 64)
     assert small == 64 * per_rank and per_rank < 1024, (small, large)  # linear, no constant
     print(f"rank 0 gathers {per_rank:.0f} bytes per rank on a report step")

@@ -45,6 +45,25 @@ def test_exclusive_times_partition_the_step():
     assert timeline.events == []  # not traced
 
 
+def test_steps_read_late_come_one_step_after_and_all_of_them_on_a_flush():
+    """The CUDA mode (events read at the end of the next step), played with host clocks."""
+    rec = SpanRecorder("cpu")
+    rec.late = True
+    lengths = []
+    for step, flush in enumerate([False, False, True, False, True]):
+        rec.begin_step(trace=step == 4)
+        with rec.span("forward"):
+            time.sleep(0.001 * (step + 1))
+        lengths.append([round(t.seconds["forward"], 3) for t in rec.end_step_late(flush)])
+    # Step 1 comes out with step 2; a flush returns the held step and its own.
+    assert [len(x) for x in lengths] == [0, 1, 2, 0, 2]
+    assert [x >= 0.001 * (i + 1) for i, x in enumerate(sum(lengths, []))] == [True] * 5
+    assert sum(lengths, []) == sorted(sum(lengths, []))  # in step order
+    rec.late = False
+    rec.begin_step()
+    assert len(rec.end_step_late(False)) == 1
+
+
 def test_traced_step_keeps_nested_events_with_labels():
     rec = SpanRecorder(torch.device("cpu"))
     rec.begin_step(trace=True)
@@ -209,7 +228,7 @@ def test_log_knobs_are_validated():
     from threefold.validate import validate
 
     with pytest.raises(ConfigError, match="log.trace_steps: needs log.spans"):
-        validate(build_config(None, [("log.trace_steps", "2")]))
+        validate(build_config(None, [("log.spans", "false"), ("log.trace_steps", "2")]))
     with pytest.raises(ConfigError, match="not a list of step numbers"):
         validate(build_config(None, [("log.spans", "true"), ("log.trace_steps", "two")]))
     with pytest.raises(ConfigError, match="past train.steps"):

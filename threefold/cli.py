@@ -13,7 +13,8 @@ USAGE = """threefold train [--config FILE] [--section.key VALUE ...]
 
 OTHER_USAGE = """threefold eval --checkpoint DIR [--json] [--data.* / --parallel.* ...]
 threefold generate --checkpoint DIR --prompt TEXT [--temperature T --top-k K --top-p P]
-threefold data prepare --out DIR [--vocab N] [--data.path CORPUS]
+threefold data prepare --out DIR [--data.path CORPUS] [--json-key text] [--workers N]
+                       [--tokenizer FILE | --vocab N] [--max-bad N]
 threefold checkpoint {info,export,import-hf,export-hf} ...
 threefold plan ..."""
 
@@ -23,15 +24,23 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--config", help="TOML file with [model], [parallel], [train], ... tables")
     parser.add_argument("--help-config", action="store_true", help="print every key, default and meaning")
     args, rest = parser.parse_known_args(argv)
-    from threefold.config import build_config, describe, parse_overrides
+    from threefold.config import describe
 
     if args.help_config:
         print(describe())
         return 0
-    cfg = build_config(args.config, parse_overrides(rest))
-    from threefold.train.entry import run_train
+    # A user of the library API (threefold/api.py), as a script would be.
+    from threefold.api import configure, train
+    from threefold.distributed.launch import WorkersFailed
 
-    return run_train(cfg)
+    cfg = configure(args.config, rest)
+    try:
+        train(cfg)
+    except WorkersFailed as err:
+        if str(err):  # empty: the workers stopped on a signal and said so themselves
+            print(f"threefold: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0
 
 
 def _bench(argv: list[str]) -> int:

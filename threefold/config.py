@@ -31,7 +31,9 @@ class ModelConfig:
 
     preset: str = knob("tiny", "Named model size whose shape fills the other fields", None)
     arch: str = knob(
-        "llama", "llama: RMSNorm/RoPE/SwiGLU/GQA; gpt2: LayerNorm/GeLU/learned positions", ("llama", "gpt2")
+        "llama",
+        "llama: RMSNorm/RoPE/SwiGLU/GQA; gpt2: LayerNorm/GeLU/learned positions; or your own model as "
+        "module:function (or file.py:function) returning a threefold.ModelSpec (docs/library.md)",
     )
     hidden: int = knob(0, "Model width h (0 = from preset)")
     layers: int = knob(0, "Number of transformer blocks (0 = from preset)")
@@ -145,6 +147,9 @@ class TrainConfig:
     threads: int = knob(1, "Intra-op threads per worker on CPU")
     timeout_s: float = knob(300.0, "Collective timeout: a hung rank fails the job after this long")
     max_restarts: int = knob(0, "Times the elastic agent restarts failed workers (they resume from checkpoint.dir)")
+    preempt_grace_s: float = knob(
+        30.0, "After SIGINT/SIGTERM, how long workers may take to save before they are killed"
+    )
     nan_rollback_after: int = knob(
         3, "Reload the last checkpoint after this many non-finite steps in a row (0 = never)"
     )
@@ -158,14 +163,25 @@ class TrainConfig:
 class DataConfig:
     """Where tokens come from."""
 
-    path: str = knob("", "Text file, directory of text files, or .bin tokens ('' = Python stdlib source)")
-    vocab: int = knob(0, "Vocabulary size of a pre-tokenized .bin file")
-    dtype: str = knob("uint16", "Element type of a .bin file", ("uint16", "uint32"))
+    path: str = knob(
+        "",
+        "Text file or directory, raw .bin tokens, a Megatron indexed dataset (prefix, prefix.bin or its "
+        "directory), or a blend '0.7 web/ 0.3 code/' / blend.toml ('' = Python stdlib source)",
+    )
+    vocab: int = knob(0, "Vocabulary size of a pre-tokenized .bin or indexed dataset (0 = tokenizer's / prepare's)")
+    dtype: str = knob(
+        "uint16", "Element type of a raw .bin file (an indexed dataset's .idx names its own)", ("uint16", "uint32")
+    )
     cache_dir: str = knob("", "Token cache directory ('' = $THREEFOLD_CACHE or ~/.cache/threefold)")
     prefetch: int = knob(2, "Batches prepared ahead by the background prefetcher (0 = inline)")
     tokenizer: str = knob("", "tokenizer.json (tokenizers package) for text corpora and decoding ('' = byte-level)")
     val_fraction: float = knob(
         0.0, "Last fraction of the token stream held out for evaluation and never trained on (0 = train on all of it)"
+    )
+    document_mask: bool = knob(
+        False,
+        "Attend only within documents of a packed sequence (split at the end-of-document id), "
+        "positions restarting per document",
     )
 
 
@@ -173,7 +189,7 @@ class DataConfig:
 class CheckpointConfig:
     """Saving and resuming."""
 
-    dir: str = knob("", "Checkpoint directory ('' = no checkpoints)")
+    dir: str = knob("auto", "Checkpoint directory ('auto' = <log.dir>/checkpoints, none without a log.dir; '' = none)")
     interval: int = knob(0, "Save every N steps (0 = only at the end when dir is set)")
     resume: str = knob("", "'' = start fresh, 'auto' = newest verified checkpoint in dir (if any), or a path")
     keep: int = knob(3, "Keep the newest N checkpoints (0 = all); the newest verified one is never deleted")
@@ -199,11 +215,16 @@ class LogConfig:
     )
     quiet: bool = knob(False, "No per-step console output")
     spans: bool = knob(
-        False,
+        True,
         "Time every rank's step by category (compute, TP/PP/DP comm, bubble, ...): "
-        "time_s in metrics.jsonl, per-rank spans.jsonl",
+        "time_s in metrics.jsonl, per-rank spans.jsonl (on by default: bench/spans_overhead.py)",
     )
     trace_steps: str = knob("", "Steps written to trace.json (Perfetto), e.g. '5,6'; needs log.spans")
+    bands: str = knob(
+        "",
+        "TOML [bands] of expected step shares per category (threefold report --write-bands): named when "
+        "left, on report steps; needs log.spans",
+    )
     tensorboard: bool = knob(False, "Also write the metrics as TensorBoard scalars into log.dir (needs tensorboard)")
 
 
@@ -247,8 +268,14 @@ def apply_preset(model: ModelConfig, explicit: set[str] = frozenset()) -> None:
     even when it equals the field's default (e.g. top_k 2 over a top-8 preset)."""
     if model.preset not in PRESETS:
         raise ConfigError("model.preset", f"unknown preset {model.preset!r}", "valid: " + ", ".join(PRESETS))
-    for key, value in PRESETS[model.preset].items():
-        if f"model.{key}" not in explicit or getattr(model, key) == 0:  # 0 also means "from the preset"
+    preset = PRESETS[model.preset]
+    # An MHA preset (kv_heads == heads) stays MHA when only heads is overridden: its kv_heads
+    # follows the new head count rather than keeping the old one (which need not divide it).
+    follows = preset.get("kv_heads", preset.get("heads")) == preset.get("heads") and "model.heads" in explicit
+    for key, value in preset.items():
+        if key == "kv_heads" and follows and "model.kv_heads" not in explicit:
+            model.kv_heads = 0
+        elif f"model.{key}" not in explicit or getattr(model, key) == 0:  # 0 also means "from the preset"
             setattr(model, key, value)
     if model.kv_heads == 0:
         model.kv_heads = model.heads
@@ -377,6 +404,8 @@ def build_config(config_file: str | None, overrides: list[tuple[str, str]]) -> C
         explicit.add(key.lstrip("-").replace("-", "_"))
     apply_preset(cfg.model, explicit)
     apply_train_preset(cfg, explicit)
+    if cfg.checkpoint.dir == "auto":  # beside the run's logs: a run can be resumed or sampled from
+        cfg.checkpoint.dir = str(Path(cfg.log.dir) / "checkpoints") if cfg.log.dir else ""
     return cfg
 
 

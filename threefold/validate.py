@@ -24,7 +24,31 @@ def _divisors(n: int) -> str:
     return "valid: " + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def validate_arch(cfg: Config) -> None:
+    """A built-in architecture, or a user model whose build function imports and returns a
+    ModelSpec (model/custom.py); a user model's head is its own, so nothing ties it."""
+    m = cfg.model
+    if ":" not in m.arch:
+        if m.arch not in ("llama", "gpt2"):
+            raise ConfigError(
+                "model.arch", f"{m.arch!r} is not allowed", "valid: llama, gpt2, or module:function (your own model)"
+            )
+        return
+    from threefold.model.custom import spec_of
+
+    spec = spec_of(m)
+    if cfg.train.recompute == "selective" and not spec.selective:
+        raise ConfigError(
+            "train.recompute", f"selective needs {m.arch}'s ModelSpec.selective patterns", "valid: none, full"
+        )
+    if m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings", f"not supported for a user model ({m.arch})", "set it to false")
+    if getattr(cfg.data, "document_mask", False):  # its blocks take no document layout
+        raise ConfigError("data.document_mask", f"not supported for a user model ({m.arch})", "set it to false")
+
+
 def validate_model(cfg: Config) -> None:
+    validate_arch(cfg)
     m = cfg.model
     for key in ("hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len"):
         _positive(f"model.{key}", getattr(m, key))
@@ -189,6 +213,7 @@ def validate_train(cfg: Config) -> None:
     _positive("train.threads", t.threads)
     _positive("train.timeout_s", t.timeout_s)
     _positive("train.max_restarts", t.max_restarts, allow_zero=True)
+    _positive("train.preempt_grace_s", t.preempt_grace_s)
     _positive("train.nan_rollback_after", t.nan_rollback_after, allow_zero=True)
     _positive("train.straggler_steps", t.straggler_steps, allow_zero=True)
     _positive("train.recompute_layers", t.recompute_layers, allow_zero=True)
@@ -339,10 +364,20 @@ def validate_pipeline(cfg: Config) -> None:
     check_args(p.schedule, p.pp, p.microbatches, p.vpp)
 
 
+def validate_document_mask(cfg: Config) -> None:
+    """data.document_mask needs an end-of-document id (a user model is refused in validate_arch)."""
+    if not cfg.data.document_mask:
+        return
+    from threefold.data.documents import document_separator
+
+    document_separator(cfg.data.tokenizer)
+
+
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Check and resolve derived fields (dp when 0, micro-batch split) in place."""
     validate_model(cfg)
     validate_parallel(cfg, world_size)
     validate_train(cfg)
     validate_pipeline(cfg)
+    validate_document_mask(cfg)
     return cfg

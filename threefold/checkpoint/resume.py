@@ -29,17 +29,19 @@ def choose(
     root: str | Path | None = None,
     path: str | Path | None = None,
     warn=print,
+    at_most: int | None = None,
 ) -> tuple[Path, Manifest] | None:
     """The checkpoint to load `tensors` (this rank's slices) from; collective over `group` (the
     world, on the run's device). `root`: its newest checkpoint that verifies on every rank, or
-    None. `path`: that checkpoint directory, or the newest under that root; CheckpointError on
-    every rank when it is not there or does not verify. `warn` reports skipped checkpoints."""
+    None (`at_most`: of step at most that). `path`: that checkpoint directory, or the newest under
+    that root; CheckpointError on every rank when it is not there or does not verify. `warn`
+    reports skipped checkpoints."""
     skipped: set[str] = set()
     while True:
         pick = None
         if group.rank == 0:
             try:
-                pick = _pick(Path(path or root), path is not None, skipped, warn)
+                pick = _pick(Path(path or root), path is not None, skipped, warn, at_most)
             except (CheckpointError, OSError) as err:
                 pick = ("error", str(err))
         pick = comm.broadcast_object(pick, group)
@@ -58,7 +60,7 @@ def choose(
         skipped.add(directory.name)
 
 
-def _pick(target: Path, named: bool, skipped: set[str], warn) -> tuple:
+def _pick(target: Path, named: bool, skipped: set[str], warn, at_most: int | None = None) -> tuple:
     """Rank 0: ("ok", directory, manifest without tables, may skip), ("none",) or ("error", line)."""
     if named:
         if not target.exists():
@@ -72,6 +74,8 @@ def _pick(target: Path, named: bool, skipped: set[str], warn) -> tuple:
             continue
         try:
             manifest = Manifest.read(directory, whole=False)
+            if at_most is not None and manifest.step > at_most:
+                continue
             verify_index(directory, manifest)
             return ("ok", str(directory), manifest, True)
         except CheckpointError as err:

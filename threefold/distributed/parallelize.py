@@ -12,11 +12,15 @@ The order is fixed (as in torchtitan):
      their values will be, and the engine materializes them one unit at a time, so no rank
      ever holds its whole TP/PP-local model);
   5. seed the dropout generator for this rank's place in the grid.
+
+A user model (model.arch "module:function", model/custom.py) takes the same steps, with its own
+plan of module names turned into threefold's TP layers by `apply_user_plan`.
 """
 
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 
 import torch
 from torch import nn
@@ -24,10 +28,19 @@ from torch import nn
 from threefold.config import Config
 from threefold.distributed.expert_parallel import apply_expert_parallel
 from threefold.distributed.grid import Grid
-from threefold.distributed.tensor_parallel import apply_tensor_parallel
+from threefold.distributed.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_tensor_parallel,
+    vocab_parallel_cross_entropy,
+)
+from threefold.distributed.tensor_parallel.mappings import scatter_to_sequence_region
+from threefold.errors import ConfigError
+from threefold.model import custom
 from threefold.model.compile import compile_blocks
 from threefold.model.meta import materialize, on_meta, tie_and_defer, tie_and_init
-from threefold.model.recompute import apply_recompute
+from threefold.model.recompute import apply_recompute, recompute_module
 from threefold.model.sharding import declare
 from threefold.model.transformer import Transformer
 
@@ -44,6 +57,8 @@ def build_model(
     """The whole model, or one pipeline chunk (its `layer_ids`, with the embedding if `first`
     and the head and loss if `last`). `defer_init`: leave the trained parameters on the meta
     device for the ZeRO-3 engine to materialize (model/meta.py: tie_and_defer)."""
+    if custom.is_user_arch(cfg.model.arch):
+        return build_user_model(cfg, grid, device, layer_ids, first, last)
     with on_meta():
         model = Transformer(cfg.model, layer_ids, first, last)
         apply_tensor_parallel(model, grid, cfg.parallel.sp, cfg.parallel.tp_comm_overlap)
@@ -67,3 +82,114 @@ def dropout_seed(seed: int, grid: Grid, sp: bool) -> int:
     different sequence rows, and data-parallel ranks different samples: those seeds differ."""
     key = f"{seed}/dropout/dp{grid.dp_rank}/pp{grid.pp_rank}/tp{grid.tp_rank if sp else 0}"
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def build_user_model(
+    cfg: Config,
+    grid: Grid,
+    device: torch.device,
+    layer_ids: list[int] | None = None,
+    first: bool = True,
+    last: bool = True,
+    defer_init: bool = False,
+) -> nn.Module:
+    """build_model for a user model (model/custom.py). Under ZeRO 3 (`defer_init`) the chunk is
+    materialized and filled here and the engine moves the values into its shards: the same
+    values, with this rank's TP/PP-local model in memory once at start-up (the built-in
+    model's initializer is the one the engine's deferred path knows)."""
+    del defer_init
+    spec, p = custom.spec_of(cfg.model), cfg.parallel
+    with on_meta():
+        par = custom.Parallel(grid.tp, p.sp, p.tp_comm_overlap)  # a composed model's factories take it
+        model = custom.UserModel(spec, cfg.model, layer_ids, first, last, par)
+        rules = custom.init_rules(model, spec, cfg.model)  # by logical name, before any swap
+        if spec.composed:
+            finish_composed(model, grid.tp, p.sp)
+        else:
+            apply_user_plan(model, spec, grid, p.sp, p.tp_comm_overlap)
+    mode = cfg.train.recompute
+    if mode == "full":
+        apply_recompute(model, mode, cfg.train.recompute_layers)
+    elif mode == "selective":  # validate_arch made sure the spec names what to rerun
+        for name, module in list(model.named_modules()):
+            if any(custom.matches(pattern, name) for pattern in spec.selective):
+                recompute_module(module)
+    if cfg.train.compile:
+        compile_blocks(model, cfg.train.compile_backend)
+    materialize(model, device)
+    declare(model, grid.tp)
+    custom.init_user_weights(model, rules, cfg.train.seed)
+    torch.manual_seed(dropout_seed(cfg.train.seed, grid, cfg.parallel.sp))
+    return model
+
+
+def apply_user_plan(model: nn.Module, spec, grid: Grid, sp: bool, overlap: bool) -> nn.Module:
+    """Swap the user's plain nn.Linear / nn.Embedding modules for threefold's TP layers by the
+    spec's plan (on the meta device). column: out_features split, the input entering the region
+    itself (one backward all-reduce per column layer); row: in_features split, output all-reduced
+    (reduce-scattered under SP); vocab: a VocabParallelEmbedding, or for the head's linear
+    vocabulary-split logits and the vocab-parallel loss; replicated: kept whole. Under SP the
+    sequence is split after the embedding, and replicated parameters of blocks and head (norms,
+    which then see seq/tp rows) get their gradients summed over tp. A no-op when tp is 1."""
+    tp = grid.tp
+    if tp.size == 1:
+        return model
+    for name, module in list(model.named_modules()):
+        style = custom.style_of(spec, name)
+        if style is None:
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                raise ConfigError(
+                    "model.arch",
+                    f"{name} ({type(module).__name__}) has no tensor-parallel plan entry",
+                    "valid: " + ", ".join(custom.PLAN_STYLES),
+                )
+            continue
+        new = _swap(name, module, style, model, tp, sp, overlap)
+        if new is not None:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, new)
+    if sp:
+        _sequence_parallel(model, tp)
+    return model
+
+
+def finish_composed(model: nn.Module, tp, sp: bool) -> nn.Module:
+    """A composed model built threefold's TP layers itself: its head's logits are split over the
+    vocabulary (the vocab-parallel loss), and SP needs what apply_user_plan adds for it."""
+    if tp.size == 1:
+        return model
+    model.loss_fn = partial(vocab_parallel_cross_entropy, group=tp)
+    if sp:
+        _sequence_parallel(model, tp)
+    return model
+
+
+def _sequence_parallel(model: nn.Module, tp) -> None:
+    """The sequence split after the embedding, and the partial gradients of replicated
+    parameters in blocks and head (norms on seq/tp rows) summed over tp."""
+    if model.tok_embed is not None:
+        model.embed_out = partial(scatter_to_sequence_region, group=tp)
+    for part in [*model.layers.values(), model.head]:
+        for module in part.modules() if part is not None else ():
+            own = [n for n, _ in module.named_parameters(recurse=False)]
+            if own and not hasattr(module, "shard_specs") and not hasattr(module, "tp_sum_grads"):
+                module.tp_sum_grads = tuple(own)
+
+
+def _swap(name: str, module: nn.Module, style: str, model: nn.Module, tp, sp: bool, overlap: bool):
+    """The replacement of one planned module (None: it stays as it is)."""
+    if style == "replicated":
+        return None
+    linear, embedding = isinstance(module, nn.Linear), isinstance(module, nn.Embedding)
+    bias = linear and module.bias is not None
+    if style == "vocab" and embedding:
+        return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, tp)
+    if style == "vocab" and linear and name.startswith("head."):
+        model.loss_fn = partial(vocab_parallel_cross_entropy, group=tp)
+        return ColumnParallelLinear(module.in_features, module.out_features, tp, bias=bias, sp=sp, overlap=overlap)
+    if style == "column" and linear:
+        return ColumnParallelLinear(module.in_features, module.out_features, tp, bias=bias, sp=sp, overlap=overlap)
+    if style == "row" and linear:
+        return RowParallelLinear(module.in_features, module.out_features, tp, bias=bias, sp=sp)
+    what = {"vocab": "an nn.Embedding or the head's nn.Linear"}.get(style, "an nn.Linear")
+    raise ConfigError("model.arch", f"plan entry {style!r} for {name} ({type(module).__name__})", f"it needs {what}")

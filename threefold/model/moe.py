@@ -216,7 +216,7 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 def moe_layers(model: nn.Module) -> dict[int, MoE]:
     """Global layer index -> MoE of the blocks `model` (a Transformer or pipeline chunk) holds."""
     layers = getattr(model, "layers", {})
-    return {int(i): b.mlp for i, b in layers.items() if isinstance(b.mlp, MoE)}
+    return {int(i): b.mlp for i, b in layers.items() if isinstance(getattr(b, "mlp", None), MoE)}
 
 
 def expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:

@@ -56,6 +56,10 @@ def _moe_mlp_weights(cfg: ModelConfig, experts: int) -> int:
 def matmul_weights_per_layer(cfg: ModelConfig) -> float:
     """Weight elements one token multiplies through in one layer (attention + MLP), the mean
     over layers when some are MoE (times `layers` it is exact)."""
+    if ":" in cfg.arch:  # a user model (model/custom.py): the weights of its blocks' nn.Linear modules
+        from threefold.model.custom import counts
+
+        return counts(cfg).matmul_weights_per_layer
     mlp = _mlp_matrices(cfg) * cfg.hidden * cfg.ffn_hidden
     n_moe = moe_layers(cfg)
     if not n_moe:
@@ -150,7 +154,12 @@ def total_params(cfg: ModelConfig, experts: int | None = None) -> int:
     llama: no biases, RMSNorm weight before attention, before the MLP and at the end.
     gpt2:  biases on every linear except the head, LayerNorm weight+bias (same three
            places), learned positions of seq_len x hidden.
+    a user model (model.arch module:function): counted from its modules (model/custom.py).
     """
+    if ":" in cfg.arch:
+        from threefold.model.custom import counts
+
+        return counts(cfg).total_params
     h, hd, v = cfg.hidden, _head_dim(cfg), cfg.vocab
     per_layer = _attention_weights(cfg) + _mlp_matrices(cfg) * h * cfg.ffn_hidden
     embed = v * h

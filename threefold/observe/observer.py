@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -82,6 +83,22 @@ class StepObserver:
         self._coords = None
         self._sums: list[float] | None = None  # this rank's seconds and counts since the last report
         self._steps_summed = 0
+        self.bands = self._band_check(log_cfg)
+
+    def _band_check(self, log_cfg):
+        """log.bands: every rank reads the file, so a bad one fails all of them alike; only the
+        logging rank checks (observe/bands.py)."""
+        path = getattr(log_cfg, "bands", "")
+        if not path:
+            return None
+        from threefold.errors import ConfigError
+        from threefold.observe.bands import BandCheck, read_bands
+
+        if self.recorder is None:
+            raise ConfigError("log.bands", "needs log.spans true", "set --log.spans true")
+        bands = read_bands(path)
+        self._quiet = getattr(log_cfg, "quiet", False)
+        return BandCheck(bands) if self.is_logger else None
 
     def attach(self, chunks, engine=None) -> None:
         """Time activation recomputation, the tensor- and expert-parallel collectives of these chunks, and
@@ -121,11 +138,17 @@ class StepObserver:
         (per-step means over those steps); every other call returns {}."""
         if self.recorder is None:
             return {}
-        timeline = self.recorder.end_step()
         tracing = self._step in self.trace_steps
+        # On CUDA the timelines come one step late (no wait for the device), all of them by a
+        # report step: the sums then cover the same steps as the counts.
+        timelines = self.recorder.end_step_late(flush=report or tracing)
         serial = engine.time_serial_comm(repeats=1) if tracing and engine is not None else 0.0
         counts = [now - then for now, then in zip(self._counts(), self._counts0)]  # bytes..., calls...
-        mine = [timeline.wall_s, serial, *(timeline.seconds[c] for c in CATEGORIES), *counts]
+        mine = [0.0, serial, *([0.0] * len(CATEGORIES)), *counts]
+        for timeline in timelines:
+            mine[0] += timeline.wall_s
+            for i, c in enumerate(CATEGORIES):
+                mine[2 + i] += timeline.seconds[c]
         self._sums = mine if self._sums is None else [a + b for a, b in zip(self._sums, mine)]
         self._steps_summed += 1
         if not (report or tracing):
@@ -134,7 +157,7 @@ class StepObserver:
         means[1] = serial  # the replay is measured on this (traced) step only: not a mean
         self._sums, self._steps_summed = None, 0
         rows = comm.gather_dim0(means.view(1, -1).to(self.device), self.grid.world)
-        per_rank = self._gather_events(timeline.events) if tracing else None
+        per_rank = self._gather_events(timelines[-1].events) if tracing else None
         if not self.is_logger:
             return {}
         return self._write(rows.cpu(), per_rank, n)
@@ -186,7 +209,20 @@ class StepObserver:
         }
         if per_rank is not None:
             fields["dp_comm_serial_s"] = float(serial.max())
+        if self.bands is not None:
+            self._check_bands(fields, ranks, steps)
         return fields
+
+    def _check_bands(self, fields: dict, ranks: list[dict], steps: int) -> None:
+        from threefold.observe.bands import alert_text, critical_shares
+
+        alerts = self.bands.check(self._step, steps, critical_shares(ranks))
+        if alerts is None:
+            return
+        fields["band_alerts"] = alerts
+        for a in alerts:
+            if a["lines"] == self.bands.persist and not self._quiet:  # once per excursion
+                print(f"threefold: step {self._step}: {alert_text(a)}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._detail is not None:

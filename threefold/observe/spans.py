@@ -18,9 +18,9 @@ without one takes `spans=None` and skips the `with`, so recording that is off co
 
 During a step a span only appends a mark (category, label, stamp) to a list; the arithmetic
 happens in end_step. Stamps are perf_counter() on CPU. On CUDA they are torch.cuda.Events
-recorded on the current stream, read after one synchronize at the end of the step: the host
-returns from a kernel launch or NCCL's wait() long before the device is done, so only events
-on the stream say when the device reached each edge.
+recorded on the current stream: the host returns from a kernel launch or NCCL's wait() long
+before the device is done, so only events on the stream say when the device reached each edge.
+The training loop reads them one step late (end_step_late), when the device is past them.
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ class SpanRecorder:
         self._open = False
         self._phase = None
         self.tracing = False
+        self.late = self._cuda
+        """end_step_late holds each step's marks until the next step (on CUDA; settable for tests)."""
+        self._held: tuple[list[tuple], bool] | None = None  # the last step's marks, read late
 
     def span(self, category: str, label=None) -> _Span:
         """Context manager timing a region as `category`; `label` names it in the trace (any
@@ -123,12 +126,31 @@ class SpanRecorder:
         self._mark(True, "other", "step")
 
     def end_step(self) -> StepTimeline:
-        """Close the step and resolve its spans."""
+        """Close the step and resolve its spans (on CUDA: waits for the device to reach its end)."""
+        marks, tracing = self._close()
+        return resolve(marks, self._times(marks), tracing)
+
+    def end_step_late(self, flush: bool) -> list[StepTimeline]:
+        """Close the step; return the timelines resolved now. On CUDA a step's events are read
+        at the end of the next step, when the device is past them, so recording costs the host
+        no wait; `flush` (a report or traced step, which waits for the device anyway) resolves
+        this step too. On CPU every step is resolved at once."""
+        closed = self._close()
+        if not self.late:
+            return [resolve(closed[0], self._times(closed[0]), closed[1])]
+        ready, self._held = ([self._held] if self._held else []), None
+        if flush:
+            ready.append(closed)
+        else:
+            self._held = closed
+        return [resolve(marks, self._times(marks), tracing) for marks, tracing in ready]
+
+    def _close(self) -> tuple[list[tuple], bool]:
         self.phase("other")
         self._mark(False, "other", "step")
         self._open = False
         marks, self._marks = self._marks, []
-        return resolve(marks, self._times(marks), self.tracing)
+        return marks, self.tracing
 
     def _times(self, marks: list[tuple]) -> list[float]:
         if not self._cuda:

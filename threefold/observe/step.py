@@ -1,12 +1,16 @@
 """One optimizer step as every rank agrees on it, and the metrics.jsonl record made from it.
 
 result = trainer.train_step(step)                 # a StepResult
+queued = trainer.queue_step(step)                 # a QueuedStep: on the device, not read yet
+result = trainer.read_step(queued)                # ... read (on CUDA after the next step is queued)
 record = step_record(result, throughput)          # the fields of one metrics.jsonl line
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from threefold.observe.peak import mfu
 
@@ -42,6 +46,25 @@ class StepResult:
     """The loss scale after the step (1 without loss scaling)."""
     extra: dict = field(default_factory=dict)
     """Further fields of the line: expert load (MoE), held-out loss, health, goodput, spans."""
+
+
+@dataclass
+class QueuedStep:
+    """A step whose work is queued on the device and whose scalars are not read yet."""
+
+    step: int
+    """The step, counted from 0."""
+    lr: float
+    started: float
+    """perf_counter() when the host began the step."""
+    scalars: torch.Tensor
+    """fp64 on the run's device: the loss sum over the world, the gradient norm, applied, then
+    the health vector reduced over the world (flags, then the slowest rank's values)."""
+    tp_comm_bytes: int
+    dp_exposed_s: float
+    loss_scale: float
+    extra: dict = field(default_factory=dict)
+    """Fields the step's record gets besides StepResult's (expert load, held-out loss)."""
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 from threefold.config import Config
 from threefold.distributed.runtime import under_launcher
@@ -26,7 +25,7 @@ def _prepare_once(cfg: Config) -> None:
         )
 
 
-def start_workers(cfg: Config, measure_memory: bool = False):
+def start_workers(cfg: Config, measure_memory: bool = False, callbacks=None):
     """Validate, prepare shared state once, run the workers; returns rank 0's result.
     Raises WorkersFailed when a worker failed (it has printed its own reason)."""
     from threefold.train.faults import check as check_faults
@@ -36,7 +35,7 @@ def start_workers(cfg: Config, measure_memory: bool = False):
         # Started by torchrun (multi-node, Slurm): this process is one worker.
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
         check_faults(cfg.train, int(os.environ["WORLD_SIZE"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-        return run_worker(cfg.to_dict(), measure_memory)
+        return run_worker(cfg.to_dict(), measure_memory, callbacks)
     validate(cfg)
     if cfg.train.device == "cuda":
         import torch
@@ -49,25 +48,16 @@ def start_workers(cfg: Config, measure_memory: bool = False):
     check_faults(cfg.train, world)
     _prepare_once(cfg)
     if world == 1 and cfg.train.max_restarts == 0:
-        return run_worker(cfg.to_dict(), measure_memory)
+        return run_worker(cfg.to_dict(), measure_memory, callbacks)
     from threefold.distributed.launch import launch
 
     return launch(
         run_worker,
-        (cfg.to_dict(), measure_memory),
+        (cfg.to_dict(), measure_memory, callbacks),
         world,
         cfg.train.threads,
         cfg.train.max_restarts,
         cfg.train.timeout_s,
+        log_dir=cfg.log.dir,
+        grace_s=cfg.train.preempt_grace_s,
     )
-
-
-def run_train(cfg: Config) -> int:
-    from threefold.distributed.launch import WorkersFailed
-
-    try:
-        start_workers(cfg)
-    except WorkersFailed as err:
-        print(f"threefold: {err}", file=sys.stderr)
-        return err.exit_code
-    return 0

@@ -1,6 +1,7 @@
 """Per-step health on a flat control plane: one small fused MAX all-reduce per step tells every
 rank whether any rank's loss or gradient was non-finite, and the slowest rank's memory, data wait,
-pipeline wait and compute time; per-rank detail reaches rank 0 only on report steps.
+pipeline wait and compute time, and whether any rank was asked to stop (a signal); per-rank
+detail reaches rank 0 only on report steps.
 
 From the reduced flags every rank takes the same two decisions, on the device: skip the step when
 any rank saw a NaN/Inf (a NaN norm, which the engine's found-inf path turns into an update that
@@ -24,8 +25,9 @@ import torch
 from threefold.distributed import comm
 
 STRAGGLER_RATIO = 1.5
-WORST = ("peak_mem_bytes", "data_wait_s", "pp_idle_s", "pp_idle_fraction", "compute_s_max")
-"""The slowest or largest value over ranks of each, after the two flags in the reduced vector."""
+WORST = ("peak_mem_bytes", "data_wait_s", "pp_idle_s", "pp_idle_fraction", "compute_s_max", "stop")
+"""The slowest or largest value over ranks of each, after the two flags in the reduced vector
+(`stop`: a signal some rank received, train/signals.py: every rank stops after the same step)."""
 
 
 class NonFiniteRollback(RuntimeError):
@@ -69,6 +71,8 @@ class StepHealth:
         self.nonfinite = 0
         self.in_a_row = 0
         self.last: dict = {}
+        self.stop = 0
+        """The signal any rank received, known once a step's vector is read: stop after that step."""
         self.pending: torch.Tensor | None = None
         """The step's reduced vector (flags, then WORST), until settle() reads it."""
         self._times: list[float] = []
@@ -80,36 +84,40 @@ class StepHealth:
         compute_s: float,
         scaler_enabled: bool,
         worst: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
+        stop: int = 0,
     ) -> torch.Tensor:
         """The gradient norm every rank must step with: NaN on all ranks when any rank's loss
         or gradient was non-finite (with loss scaling a non-finite gradient alone is an fp16
         overflow, which the scaler handles and which is not counted as a divergence). `worst`:
-        this rank's peak memory, data wait, pipeline wait and idle fraction. One all-reduce,
+        this rank's peak memory, data wait, pipeline wait and idle fraction; `stop`: the signal
+        this rank received (0: none). One all-reduce,
         decided on the device; settle() (or record()) does the host's bookkeeping later."""
         device = grad_norm.device
         bad_grad = ~torch.isfinite(grad_norm).reshape(())
         diverged = ~torch.isfinite(loss_sum).all()
         if not scaler_enabled:
             diverged = diverged | bad_grad
-        mine = torch.cat([torch.stack([diverged, bad_grad]).double(), host_values([*worst, compute_s], device)])
+        mine = torch.cat([torch.stack([diverged, bad_grad]).double(), host_values([*worst, compute_s, stop], device)])
         self.pending = comm.all_reduce_max(mine, self.world)
         self._times.append(compute_s)
         skip = (self.pending[0] + self.pending[1]) > 0
         return torch.where(skip, torch.full_like(grad_norm, float("nan")), grad_norm)
 
     def settle(self, values: list[float] | None = None) -> dict:
-        """The host's side of the step once its reduced vector is read (`values`: read by the
-        caller with the step's other scalars, one host read per step; None reads it here):
+        """The host's side of a step once its reduced vector is read (`values`: read by the
+        caller with the step's other scalars, one host read per step, perhaps after the next step
+        was queued; None reads the pending vector here):
         divergence counters; returns the slowest rank's WORST values."""
-        if self.pending is None:
-            return {}
-        values = self.pending.tolist() if values is None else values
-        self.pending = None
+        if values is None:
+            if self.pending is None:
+                return {}
+            values, self.pending = self.pending.tolist(), None
         diverged = values[0] > 0
         self.nonfinite += diverged
         self.in_a_row = self.in_a_row + 1 if diverged else 0
         worst = dict(zip(WORST, values[2:]))
-        self.last = {"compute_s_max": worst["compute_s_max"]}
+        self.last["compute_s_max"] = worst["compute_s_max"]  # beside a report's median, if one came first
+        self.stop = max(self.stop, int(worst["stop"]))
         return worst
 
     def report(self) -> None:

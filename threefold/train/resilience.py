@@ -4,7 +4,7 @@
     guard.step_begins(step)                        # injected kill / hang / NaN
     compute_s = guard.compute_time(step, pipe)     # injected slowness; straggler input
     norm = guard.agree(norm, loss_sum, compute_s, engine, worst)  # one MAX all-reduce: skip NaN globally
-    worst = guard.settle(host_values)              # after the step's one host read (guard.pending())
+    worst = guard.settle(host_values)              # after the step's host read (of guard.take_pending())
     guard.end_step(step, record, span, report)     # stragglers (report steps), counters, checkpoint, goodput
     guard.check_rollback(step, metrics)            # K non-finite steps in a row: roll back
     guard.close()
@@ -44,10 +44,12 @@ class RunGuard:
         log=print,
         scaler=None,
         faults: FaultInjector | None = None,
+        on_saved=lambda step, directory: None,
     ):
         """`scaler`: the engine's loss scaler, whose state each checkpoint carries (fp16).
         `faults`: the injector of an earlier attempt in this process (a rollback), already
-        installed on `chunks`; None builds and installs one."""
+        installed on `chunks`; None builds and installs one. `on_saved(step, directory)`: after
+        each checkpoint is published (directory on the publishing rank, None elsewhere)."""
         t, c = cfg.train, cfg.checkpoint
         self.scaler = scaler
         self.cfg, self.rank, self.log = cfg, grid.global_rank, log
@@ -81,7 +83,10 @@ class RunGuard:
                 grid.describe(),
                 c.keep,
                 c.async_save,
-                on_published=self.faults.after_save,
+                on_published=lambda step, directory: (
+                    self.faults.after_save(step, directory),
+                    on_saved(step, directory),
+                ),
                 group=grid.world,
             )
 
@@ -93,28 +98,48 @@ class RunGuard:
         return self.faults.slow(step, sum(pipe.compute_s.values()))
 
     def agree(
-        self, grad_norm: torch.Tensor, loss_sum: torch.Tensor, compute_s: float, engine, worst=(0.0, 0.0, 0.0, 0.0)
+        self,
+        grad_norm: torch.Tensor,
+        loss_sum: torch.Tensor,
+        compute_s: float,
+        engine,
+        worst=(0.0, 0.0, 0.0, 0.0),
+        stop: int = 0,
     ) -> torch.Tensor:
-        return self.health.agree(grad_norm, loss_sum, compute_s, engine.scaler.enabled, worst)
+        return self.health.agree(grad_norm, loss_sum, compute_s, engine.scaler.enabled, worst, stop)
 
-    def pending(self) -> torch.Tensor:
-        """The step's reduced health vector, for the caller's one host read (see settle)."""
-        return self.health.pending
+    @property
+    def stopping(self) -> int:
+        """The signal a read step showed some rank received (0: none): save and stop after it."""
+        return self.health.stop
+
+    def take_pending(self) -> torch.Tensor:
+        """The step's reduced health vector, handed to the caller for its one host read (see
+        settle); the next step's agree() may run before that read."""
+        pending, self.health.pending = self.health.pending, None
+        return pending
 
     def settle(self, values: list[float]) -> dict:
         return self.health.settle(values)
 
-    def end_step(self, step: int, record: dict, span=None, report: bool = True) -> None:
+    def save_due(self, step: int) -> bool:
+        """Whether end_step(step) saves a checkpoint: every checkpoint.interval steps, the last,
+        and the one a signal stops after."""
+        c, t = self.cfg.checkpoint, self.cfg.train
+        due = (c.interval and (step + 1) % c.interval == 0) or step + 1 == t.steps or self.stopping
+        return self.ckpt is not None and bool(due)
+
+    def end_step(self, step: int, record: dict, span=None, report: bool = True, late: bool = False) -> None:
         """Add health counters, save a checkpoint when one is due (its blocking time) and the
         goodput fields to this step's metrics record. `span("checkpoint")` times the save. On a
-        `report` step rank 0 gets every rank's compute times and names stragglers (collective)."""
+        `report` step rank 0 gets every rank's compute times and names stragglers (collective).
+        A `late` step (read after the next one was queued) never saves: the state is past it."""
         if report:
             self.health.report()
         record.update(self.health.record(step, not record["step_skipped"]))
         record["segment"] = self.segment
-        c, t = self.cfg.checkpoint, self.cfg.train
         record["ckpt_block_s"] = 0.0
-        if self.ckpt is not None and ((c.interval and (step + 1) % c.interval == 0) or step + 1 == t.steps):
+        if not late and self.save_due(step):
             extra = {"optimizer_step": step + 1}
             if self.scaler is not None:
                 extra["loss_scaler"] = self.scaler.state_dict()

@@ -18,7 +18,6 @@ A step is a short list of phases, each timed as its span category when log.spans
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -28,7 +27,7 @@ from torch import nn
 
 from threefold.checkpoint import choose, load_into, training_state
 from threefold.config import Config
-from threefold.data import GlobalBatchSampler, Prefetcher, load_tokens
+from threefold.data import GlobalBatchSampler, load_tokens
 from threefold.data.split import training_part
 from threefold.data.tokenizer import check_vocab, open_tokenizer
 from threefold.distributed.comm import all_reduce_sum
@@ -39,24 +38,24 @@ from threefold.distributed.grid import Grid
 from threefold.distributed.parallelize import build_model
 from threefold.distributed.pipeline import bubble_theory
 from threefold.distributed.pipeline.stage import build_stage, tied_head_weights
-from threefold.errors import DataError, UserError
+from threefold.distributed.runtime import WorkerEnv
+from threefold.errors import DataError
 from threefold.inference.evaluate import HeldOut
 from threefold.model.sharding import partial_params
 from threefold.observe import device_peak_flops, peak_memory_bytes, train_flops_per_token, write_run_json
 from threefold.observe.metrics import MetricsWriter
 from threefold.observe.observer import StepObserver
-from threefold.observe.step import StepResult, Throughput, step_record
+from threefold.observe.step import QueuedStep, StepResult, Throughput
+from threefold.train import failures
+from threefold.train.callbacks import Callbacks
 from threefold.train.expert_load import ExpertLoad
-from threefold.train.health import NonFiniteRollback
+from threefold.train.loop import TrainingLoop
 from threefold.train.optim import lr_at
 from threefold.train.resilience import RunGuard, continues_run
+from threefold.train.signals import StopSignals
 from threefold.train.status import StatusLine
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-class DivergedError(UserError):
-    """Non-finite losses or gradients that rolling back does not cure."""
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -86,15 +85,28 @@ def _quiet(*_args) -> None:
     pass
 
 
-class Trainer:
-    def __init__(self, cfg: Config, grid: Grid, device: torch.device, log=print, probe=None, restarted: bool = False):
+class Trainer(TrainingLoop):
+    def __init__(
+        self,
+        cfg: Config,
+        grid: Grid,
+        device: torch.device,
+        log=print,
+        probe=None,
+        restarted: bool = False,
+        stop: StopSignals | None = None,
+        callbacks: Callbacks | None = None,
+    ):
         """Build this rank's part of the run and load a checkpoint when checkpoint.resume (or
         init_from) says so; `restarted` (a worker the elastic agent restarted) continues from
         the newest checkpoint in checkpoint.dir, if there is one yet. `probe` (threefold memory's
         MemoryProbe) watches each step's activations and measures the model state after the
-        optimizer step."""
+        optimizer step. `stop` (train/signals.py): the signals this rank listens to; every rank
+        stops after the first step whose read shows one, saves, and raises Stopped. `callbacks`:
+        a library user's hooks (train/callbacks.py)."""
+        self.callbacks = callbacks or Callbacks()
         m, t, p = cfg.model, cfg.train, cfg.parallel
-        self.cfg, self.grid, self.device, self.probe = cfg, grid, device, probe
+        self.cfg, self.grid, self.device, self.probe, self.stop = cfg, grid, device, probe, stop
         self.is_logger = grid.global_rank == 0
         self.log = log if self.is_logger else _quiet
         self.dtype = resolve_dtype(t.dtype, device)
@@ -153,6 +165,9 @@ class Trainer:
         self.heldout = HeldOut(cfg) if t.eval_every else None
         self._last_failure: int | None = None
         self._last_pipe = None  # the previous step's schedule timers (read one step late on CUDA)
+        # On CUDA a step's scalars are read after the next step is queued (1); on CPU there is
+        # nothing to overlap with the host, so each step is read at once (0).
+        self.read_lag = int(device.type == "cuda")
 
     # --- loading ------------------------------------------------------------------------------
     def resume(self, restarted: bool = False) -> int:
@@ -164,12 +179,17 @@ class Trainer:
         step, found = 0, None
         if c.dir and (c.resume == "auto" or restarted):
             found = choose(self.state, world, root=c.dir, warn=self.log)
-            if found is None and c.resume in ("", "auto"):
+            if found is None and c.resume in ("", "auto") and not restarted:
                 self.log(f"threefold: no checkpoint in {c.dir} yet: starting at step 0")
         if found is None and c.resume not in ("", "auto"):
             found = choose(self.state, world, path=c.resume, warn=self.log)
         if found is not None:
-            step = self.load(*found)
+            step = self.load(*found, quiet=restarted)
+        if restarted:  # the failure and the recovery, in one line (train/failures.py)
+            n, of = WorkerEnv.from_environ().restart_count, self.cfg.train.max_restarts
+            why = failures.summary(self.cfg.log.dir, n - 1, world.size) if self.is_logger else None
+            source = f" from {found[0].name}" if found is not None else " (no checkpoint yet)"
+            self.log(f"threefold: restart {n} of {of}{f' after {why}' if why else ''}; resumed at step {step}{source}")
         if step == 0 and c.init_from:
             weights = [s for s in self.state if s.name.startswith("model/")]
             directory, manifest = choose(weights, world, path=c.init_from, warn=self.log)
@@ -179,13 +199,14 @@ class Trainer:
             self.log(f"threefold: model weights from {directory} (step {manifest.step}); training starts at step 0")
         return step
 
-    def load(self, directory: Path, manifest) -> int:
+    def load(self, directory: Path, manifest, quiet: bool = False) -> int:
         """Every tensor of a checkpoint `choose` picked into this rank's slices, the working weights
         from the loaded masters, and a dynamic loss scale; returns the checkpoint's step."""
         load_into(self.state, directory, manifest)
         refresh_params(self.engine, manifest.extra["optimizer_step"])
         self.engine.scaler.load_state_dict(manifest.extra.get("loss_scaler", {}))
-        self.log(f"threefold: resumed from {directory} at step {manifest.step}")
+        if not quiet:
+            self.log(f"threefold: resumed from {directory} at step {manifest.step}")
         return manifest.step
 
     def _open_records(self, faults=None) -> None:
@@ -195,7 +216,15 @@ class Trainer:
             cfg.log.dir, enabled=self.is_logger, append=continues_run(self.start_step), tensorboard=cfg.log.tensorboard
         )
         self.guard = RunGuard(
-            cfg, self.grid, self.chunks, self.state, self.start_step, log, self.engine.scaler, faults=faults
+            cfg,
+            self.grid,
+            self.chunks,
+            self.state,
+            self.start_step,
+            log,
+            self.engine.scaler,
+            faults=faults,
+            on_saved=self.callbacks.checkpoint,
         )
 
     # --- one step -----------------------------------------------------------------------------
@@ -208,8 +237,15 @@ class Trainer:
 
     def train_step(self, step: int, batches: list | None = None, data_wait_s: float = 0.0) -> StepResult:
         """One optimizer step on global step `step` (0-based): `batches` (default: the
-        sampler's) through the schedule, gradients finalized, agreed on, applied. Collective
-        over the world; every rank returns the same values but step_time_s and tp_comm_bytes."""
+        sampler's) through the schedule, gradients finalized, agreed on, applied, and its scalars
+        read. Collective over the world; every rank returns the same values but step_time_s and
+        tp_comm_bytes."""
+        return self.read_step(self.queue_step(step, batches, data_wait_s))
+
+    def queue_step(self, step: int, batches: list | None = None, data_wait_s: float = 0.0) -> QueuedStep:
+        """train_step up to its host read: on CUDA every kernel and collective of the step is
+        queued and the host may go on (the next step's micro-batches, its forward) before
+        read_step waits for the scalars."""
         t, grid, engine, phase = self.cfg.train, self.grid, self.engine, self.observer.phase
         t0 = time.perf_counter()
         tp_bytes0 = grid.tp.stats.total_bytes
@@ -248,112 +284,47 @@ class Trainer:
             # (a NaN norm), so the update is queued without waiting for the host.
             waits = (timed.recv_wait_s, timed.idle_fraction) if timed is not None else (0.0, 0.0)
             worst = (float(peak_memory_bytes(self.device)), data_wait_s, *waits)
-            norm = self.guard.agree(norm, loss_sum, compute_s, engine, worst)
+            norm = self.guard.agree(norm, loss_sum, compute_s, engine, worst, self.stop.requested if self.stop else 0)
             applied = engine.step(lr, norm, t.grad_clip)
             if self.probe:
                 self.probe.after_step(engine)
             engine.zero_grad()
         with phase("sync"):
             # The loss over the world (only the last stage computed one; its TP ranks hold the
-            # same value, so one of them counts it), then the step's one host read.
+            # same value, so one of them counts it), and every scalar of the step in one tensor.
             loss_sum = all_reduce_sum(loss_sum * float(grid.tp.rank == 0), grid.world)
             applied_t = torch.as_tensor(applied, dtype=torch.float64, device=self.device).reshape(1)
-            host = torch.cat([loss_sum.double().reshape(1), norm.double().reshape(1), applied_t, self.guard.pending()])
-            host = host.tolist()
-            worst = self.guard.settle(host[3:])
-        return StepResult(
-            step + 1,
-            host[0] / self.tokens_per_step,
-            host[1],
+            scalars = [loss_sum.double().reshape(1), norm.double().reshape(1), applied_t, self.guard.take_pending()]
+        return QueuedStep(
+            step,
             lr,
-            bool(host[2]),
-            time.perf_counter() - t0,
-            worst["data_wait_s"],
-            int(worst["peak_mem_bytes"]),
-            worst["pp_idle_s"],
-            worst["pp_idle_fraction"],
+            t0,
+            torch.cat(scalars),
             grid.tp.stats.total_bytes - tp_bytes0,
             engine.comm_stats()["dp_exposed_s"],
             engine.loss_scale,
         )
 
-    # --- the loop -----------------------------------------------------------------------------
-    def train(self) -> dict:
-        """Steps start_step .. train.steps; returns the last step's metrics record (or, with a
-        memory probe, every rank's memory rows on rank 0). After train.nan_rollback_after
-        non-finite steps in a row every rank reloads the newest checkpoint and goes on."""
-        while True:
-            try:
-                last = self._steps()
-                break
-            except NonFiniteRollback as err:
-                self.rollback(err)
-        self.metrics.close()
-        self.observer.close()
-        if self.probe:
-            return self.probe.gather(self.cfg, self.grid, self.chunks, self.dtype)
-        return last
-
-    def _steps(self) -> dict:
-        cfg, t, last = self.cfg, self.cfg.train, {}
-        prefetcher = Prefetcher(self.batches, self.start_step, t.steps, depth=cfg.data.prefetch, device=self.device)
-        with prefetcher as prefetch:
-            for step in range(self.start_step, t.steps):
-                self.guard.step_begins(step)
-                self.observer.begin_step(step)
-                with self.observer.phase("data_wait"):
-                    batches, data_wait = prefetch.get(step)
-                result = self.train_step(step, batches, data_wait)
-                report = self.reports(step)  # per-rank detail reaches rank 0 on these steps only
-                result.extra.update(self.expert_load.collect(self.grid.world, report))
-                if self.heldout is not None and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
-                    with self.observer.phase("eval"):
-                        result.extra["val_loss"] = self.heldout.evaluate(self.chunks, self.grid, cfg)["loss"]
-                last = step_record(result, self.throughput, time.time())
-                # Health counters, the checkpoint when one is due (after step_time: a save blocks the
-                # run and is reported as its own category), goodput, where the time went.
-                self.guard.end_step(step, last, span=self.observer.phase, report=report)
-                last.update(self.observer.end_step(self.engine, report))
-                self.metrics.write(last)
-                if last.get("moe_hot_experts") and (step + 1) % cfg.log.interval == 0:
-                    self.log(
-                        f"threefold: step {step + 1}: experts above 2x their layer's mean load: "
-                        f"{', '.join(last['moe_hot_experts'])}"
-                    )
-                self.status.update(step, result.loss, last["tokens_per_s"], last["mfu"])
-                self.guard.check_rollback(step, self.metrics)
-            self.guard.close()
-        return last
-
-    def reports(self, step: int) -> bool:
-        """Whether step `step` (0-based) is a report step: every log.interval steps, the last
-        step and the traced ones. Only there do stragglers, spans and expert load go to rank 0:
-        the other steps cost every rank the same, whatever the world size."""
-        n = step + 1
-        return n % self.cfg.log.interval == 0 or n == self.cfg.train.steps or n in self.observer.trace_steps
-
-    def rollback(self, err: NonFiniteRollback) -> None:
-        """Reload the newest checkpoint on every rank (each took the same decision) and continue
-        from its step; a divergence that comes back no later than last time is an error. Every
-        rank takes each of these decisions alike (the checkpoint is rank 0's choice, broadcast)."""
-        c = self.cfg.checkpoint
-        if not c.dir:
-            raise DivergedError(
-                f"train: {err} and there is no checkpoint to roll back to "
-                "(set checkpoint.dir and checkpoint.interval, or lower train.lr)"
-            ) from None
-        if self._last_failure is not None and err.step <= self._last_failure:
-            raise DivergedError(
-                f"train: {err}, again after rolling back (lower train.lr or check the data around step {err.step + 1})"
-            ) from None
-        self._last_failure = err.step
-        if self.is_logger:
-            print(f"threefold: {err}: rolling back to the last checkpoint", file=sys.stderr, flush=True)
-        found = choose(self.state, self.grid.world, root=c.dir, warn=self.log)
-        if found is None:
-            raise DivergedError(
-                f"train: {err} and there is no checkpoint to roll back to in {c.dir} (none saved yet, "
-                "or none verifies: save more often with checkpoint.interval, or lower train.lr)"
-            ) from None
-        self.start_step = self.load(*found)
-        self._open_records(faults=self.guard.faults)
+    def read_step(self, queued: QueuedStep, since: float | None = None) -> StepResult:
+        """The step's one host read, and what the step did. `since`: when the previous step's
+        read ended, if that was after this step began (read late): the step's time runs from
+        there, so consecutive steps' times add up to the host's wall time and none overlap."""
+        with self.observer.phase("sync"):
+            values = queued.scalars.tolist()
+        worst = self.guard.settle(values[3:])
+        now = time.perf_counter()
+        return StepResult(
+            queued.step + 1,
+            values[0] / self.tokens_per_step,
+            values[1],
+            queued.lr,
+            bool(values[2]),
+            now - max(queued.started, since or 0.0),
+            worst["data_wait_s"],
+            int(worst["peak_mem_bytes"]),
+            worst["pp_idle_s"],
+            worst["pp_idle_fraction"],
+            queued.tp_comm_bytes,
+            queued.dp_exposed_s,
+            queued.loss_scale,
+        )

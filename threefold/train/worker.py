@@ -7,6 +7,7 @@ in-process for a single-device run.
 from __future__ import annotations
 
 import sys
+import threading
 from datetime import timedelta
 
 import torch
@@ -15,6 +16,8 @@ from threefold.config import Config
 from threefold.distributed.grid import Grid, RankLayout
 from threefold.distributed.runtime import WorkerEnv, init_distributed, resolve_device, shutdown_distributed
 from threefold.errors import UserError
+from threefold.train import failures
+from threefold.train.signals import Stopped, StopSignals
 from threefold.train.trainer import Trainer
 
 
@@ -32,11 +35,13 @@ def join_group(cfg: Config, env: WorkerEnv) -> torch.device:
     return device
 
 
-def run_worker(cfg_dict: dict, measure_memory: bool = False):
+def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
     """Entry point of every worker; returns the last step's metrics (rank 0's are reported), or
     with `measure_memory` every rank's memory rows (on rank 0) for `threefold memory`."""
     cfg = Config.from_dict(cfg_dict)
     env = WorkerEnv.from_environ()
+    # Listening from the start: a Ctrl-C during start-up stops the run after its first step.
+    stop = StopSignals.install(speaks=env.rank == 0) if threading.current_thread() is threading.main_thread() else None
     try:
         device = join_group(cfg, env)
         layout = layout_of(cfg)
@@ -49,9 +54,18 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False):
             from threefold.train.memory_probe import MemoryProbe
 
             probe = MemoryProbe(device)
-        result = Trainer(cfg, grid, device, probe=probe, restarted=env.restart_count > 0).train()
+        result = Trainer(
+            cfg, grid, device, probe=probe, restarted=env.restart_count > 0, stop=stop, callbacks=callbacks
+        ).train()
         shutdown_distributed()
         return result
+    except Stopped as err:
+        # Every rank stopped after the same step and the checkpoint is complete: one line, the
+        # signal's exit code (130 for SIGINT, 143 for SIGTERM), no traceback from any rank.
+        if env.rank == 0:
+            print(err.line(), file=sys.stderr, flush=True)
+        shutdown_distributed()
+        sys.exit(err.exit_code)
     except UserError as err:
         # A user mistake found only inside the worker: one line, exit 2, no traceback.
         print(f"threefold: error: {err}", file=sys.stderr, flush=True)
@@ -66,5 +80,11 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False):
             why = "a peer closed its connection (a worker or node died)"
         else:
             raise
-        print(f"threefold: rank {env.rank}: {why}: {str(err).splitlines()[0][-160:]}", file=sys.stderr, flush=True)
+        failures.record(cfg.log.dir, env.restart_count, env.rank, why)
+        if failures.prints_own_line():
+            detail = str(err).splitlines()[0][-160:]
+            print(f"threefold: rank {env.rank}: {why}: {detail}", file=sys.stderr, flush=True)
         sys.exit(1)
+    finally:
+        if stop is not None:
+            stop.uninstall()
