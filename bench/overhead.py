@@ -45,6 +45,7 @@ def make_cfg(preset: str, steps: int, log_dir: str):
             ("log.dir", log_dir),
             ("log.quiet", "true"),
             ("train.warmup_steps", "2"),
+            ("checkpoint.dir", ""),  # the steps only: no save at the end (the default's)
         ],
     )
     return validate(cfg)
