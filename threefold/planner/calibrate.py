@@ -35,7 +35,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from threefold.errors import ConfigError
-from threefold.planner.categories import SIGMA_PRIOR, fit_categories, interval, kendall_tau, sigmas, with_categories
+from threefold.planner.categories import (
+    SIGMA_PRIOR,
+    fit_categories,
+    independent,
+    interval,
+    kendall_tau,
+    sigmas,
+    with_categories,
+)
 from threefold.planner.cluster import Cluster, check_cluster
 from threefold.planner.cost import from_unit, merge_terms, seconds, step_terms, unit
 from threefold.planner.model import model_shape
@@ -337,18 +345,4 @@ def _with(cluster: Cluster, **changes) -> Cluster:
 def _choose(eqs) -> list[str]:
     """Free parameters in PRIORITY order while each is visible and not (nearly) collinear with
     those already free, judged on the rows as the fit weighs them (per run's step time)."""
-    w = np.array([1.0 / e[0].step_time_s for e in eqs])
-    chosen: list[str] = []
-    for name in PRIORITY:
-        if len(chosen) >= len(eqs):
-            break
-        col = np.array([e[2].get(name, 0.0) for e in eqs])
-        if not np.any(col > 0):
-            continue
-        trial = chosen + [name]
-        m = np.array([[e[2].get(n, 0.0) for n in trial] for e in eqs]) * w[:, None]
-        m = m / np.linalg.norm(m, axis=0)
-        sv = np.linalg.svd(m, compute_uv=False)
-        if sv[-1] > 0.05 * sv[0]:
-            chosen = trial
-    return chosen
+    return independent(eqs, PRIORITY, np.array([1.0 / e[0].step_time_s for e in eqs]))

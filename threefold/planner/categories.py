@@ -49,7 +49,7 @@ def fit_categories(eqs, cluster, band_of: dict[str, str]) -> dict[str, dict[str,
             for name, coef in e[2].items():
                 share[name] = share.get(name, 0.0) + coef * unit(e[3], name, cat) / e[4]
         order = sorted((n for n in share if share[n] > 0), key=lambda n: -share[n])
-        names = _independent(rows, order, weight)
+        names = independent(rows, order, weight)
         y = np.array([e[4] for e in rows])
         while names:
             x = np.array([[e[2].get(n, 0.0) for n in names] for e in rows])
@@ -75,11 +75,15 @@ def _shared(rows, name: str, cat: str) -> bool:
     return len({unit(e[3], name, cat) for e in rows}) == 1
 
 
-def _independent(rows, order: list[str], weight) -> list[str]:
+def independent(rows, order: list[str], weight) -> list[str]:
+    """Free parameters in `order` while each is visible in `rows` (column values e[2]) and not
+    (nearly) collinear with those already chosen, judged on the rows as `weight` weighs them."""
     chosen: list[str] = []
     for name in order:
         if len(chosen) >= len(rows):
             break
+        if not any(e[2].get(name, 0.0) > 0 for e in rows):
+            continue
         trial = chosen + [name]
         m = np.array([[e[2].get(n, 0.0) for n in trial] for e in rows]) * weight[:, None]
         m = m / np.linalg.norm(m, axis=0)
