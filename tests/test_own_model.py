@@ -56,7 +56,11 @@ def model_cfg(**over):
 def chunk(cfg, tp=None, layer_ids=None, first=True, last=True):
     """build_user_model's chunk for a fake TP rank `tp` (size, rank), without processes."""
     size, rank = tp or (1, 0)
-    grid = SimpleNamespace(tp=SimpleNamespace(size=size, rank=rank, name="tp"), dp_rank=0, pp_rank=0, tp_rank=rank)
+    grid = SimpleNamespace(
+        tp=SimpleNamespace(size=size, rank=rank, name="tp"),
+        cp=SimpleNamespace(size=1, rank=0, name="cp"),
+        dp_rank=0, pp_rank=0, tp_rank=rank, cp_rank=0,
+    )  # fmt: skip
     return build_user_model(cfg, grid, torch.device("cpu"), layer_ids, first, last)
 
 

@@ -187,6 +187,7 @@ def test_cli_subprocess_llama_7b_json():
         "compute",
         "recompute",
         "tp_comm",
+        "cp_comm",
         "ep_comm",
         "pp_comm",
         "dp_comm",

@@ -164,3 +164,13 @@ def test_report_a_b_tells_a_change_from_noise(tmp_path, shift, verdict):
     line = next(s for s in text.splitlines() if s.startswith("tokens/s B/A"))
     assert verdict in line, text
     assert found["tokens_per_s_ratio"].lo <= shift <= found["tokens_per_s_ratio"].hi
+
+
+def test_exposed_cp_communication_is_named(tmp_path):
+    # cp 2: the ring's transfers left waiting are the biggest cost; the planner does not model cp,
+    # so no knob is offered with an invented gain.
+    over = {"parallel.cp": 2, "train.global_batch": 8}
+    path = write_run(tmp_path / "cp2", over, [work(cp_comm=0.2) for _ in range(2)])
+    finding, changes = first(path)
+    assert finding.category == "cp_comm" and 0.3 < finding.share < 0.5, finding.text()
+    assert changes is None and "not hidden behind attention" in finding.text()

@@ -23,8 +23,8 @@ from threefold.distributed.grid import Grid, RankLayout
 
 real_new_group = comm.new_group
 results = []
-for tp, pp, dp, ep, rank, split in json.loads(sys.argv[1]):
-    dist.init_process_group("fake", rank=rank, world_size=tp * pp * dp, store=FakeStore())
+for tp, pp, dp, ep, rank, split, cp in json.loads(sys.argv[1]):
+    dist.init_process_group("fake", rank=rank, world_size=tp * pp * dp * cp, store=FakeStore())
     calls, splits = [], []
 
     def new_group(ranks, timeout=None, backend=None):
@@ -38,12 +38,12 @@ for tp, pp, dp, ep, rank, split in json.loads(sys.argv[1]):
         return real_new_group(mine[0]) if mine else None
 
     comm.new_group, comm.split_group, comm.can_split = new_group, split_group, lambda: split
-    layout = RankLayout(tp=tp, pp=pp, dp=dp, ep=ep)
+    layout = RankLayout(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp)
     t0 = time.perf_counter()
     grid = Grid.build(layout)
     build_s = time.perf_counter() - t0
     every = layout.group_lists()
-    distinct = {tuple(g) for lists in every.values() for g in lists if 1 < len(g) < tp * pp * dp}
+    distinct = {tuple(g) for lists in every.values() for g in lists if 1 < len(g) < tp * pp * dp * cp}
     groups = {n: g for n, g in grid.groups.items() if n != "world"}
     results.append({
         "calls": len(calls), "distinct": len(distinct), "repeated": len(calls) - len(set(calls)),
@@ -52,6 +52,8 @@ for tp, pp, dp, ep, rank, split in json.loads(sys.argv[1]):
         "members_ok": all(g.ranks in every[n] and rank in g.ranks for n, g in groups.items()),
         "singletons_without_handle": all(g.pg is None for g in groups.values() if g.size == 1),
         "handles_ok": all(g.pg is not None for g in groups.values() if g.size > 1),
+        "dp_cp_is_dp": grid.dp_cp is grid.dp,
+        "dp_cp_size": grid.dp_cp.size,
     })
     dist.destroy_process_group()
 print(json.dumps(results))
@@ -61,10 +63,12 @@ print(json.dumps(results))
 @pytest.fixture(scope="module")
 def runs() -> dict:
     cases = {
-        "64": (2, 4, 8, 1, 37, False),
-        "16384": (8, 16, 128, 1, 9999, False),
-        "16384 ep4": (8, 16, 128, 4, 4321, False),
-        "16384 split": (8, 16, 128, 4, 4321, True),
+        "64": (2, 4, 8, 1, 37, False, 1),
+        "16384": (8, 16, 128, 1, 9999, False, 1),
+        "16384 ep4": (8, 16, 128, 4, 4321, False, 1),
+        "16384 split": (8, 16, 128, 4, 4321, True, 1),
+        "16384 cp2": (8, 16, 64, 4, 4321, False, 2),
+        "16384 cp2 split": (8, 16, 64, 4, 4321, True, 2),
     }
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, json.dumps(list(cases.values()))], capture_output=True, text=True, timeout=120
@@ -73,7 +77,7 @@ def runs() -> dict:
     return dict(zip(cases, json.loads(out.stdout.splitlines()[-1])))
 
 
-@pytest.mark.parametrize("case", ["64", "16384", "16384 ep4"])
+@pytest.mark.parametrize("case", ["64", "16384", "16384 ep4", "16384 cp2"])
 def test_each_distinct_group_is_created_once_and_no_group_of_one(runs, case):
     run = runs[case]
     assert run["calls"] == run["distinct"] and run["repeated"] == 0, run
@@ -86,6 +90,16 @@ def test_where_the_backend_splits_each_dimension_is_one_call(runs):
     # of new_group; every group of the rank still gets its communicator from its dimension's split.
     assert run["calls"] == 0 and 1 <= len(run["splits"]) <= 7 and sum(run["splits"]) == runs["16384 ep4"]["distinct"]
     assert run["members_ok"] and run["singletons_without_handle"] and run["handles_ok"], run
+
+
+def test_dp_cp_is_the_dp_group_without_cp_and_one_more_split_with_it(runs):
+    # cp 1: the gradient replicas are the dp group itself (no communicator, no split of its own).
+    assert all(runs[case]["dp_cp_is_dp"] for case in ("64", "16384", "16384 ep4", "16384 split"))
+    cp2 = runs["16384 cp2 split"]
+    assert not cp2["dp_cp_is_dp"] and cp2["dp_cp_size"] == 64 * 2
+    # cp and dp_cp add one split each: still one call per dimension, whatever the world size.
+    assert cp2["calls"] == 0 and len(cp2["splits"]) <= 9 and sum(cp2["splits"]) == runs["16384 cp2"]["distinct"]
+    assert cp2["members_ok"] and cp2["handles_ok"], cp2
 
 
 def test_grid_build_at_16384_ranks(runs):

@@ -133,7 +133,8 @@ def check_layers(tp: Group, sp: bool) -> Diffs:
 
 def reference_grid() -> SimpleNamespace:
     """The grid of an unsharded model (tp 1), usable inside a multi-rank job."""
-    return SimpleNamespace(tp=Group("tp", [0], None), ep=Group("ep", [0], None), dp_rank=0, pp_rank=0, tp_rank=0)
+    one = {name: Group(name, [0], None) for name in ("tp", "ep", "cp")}
+    return SimpleNamespace(**one, dp_rank=0, pp_rank=0, tp_rank=0, cp_rank=0)
 
 
 def model_config(overrides: dict) -> Config:

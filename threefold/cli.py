@@ -16,7 +16,8 @@ threefold generate --checkpoint DIR --prompt TEXT [--temperature T --top-k K --t
 threefold data prepare --out DIR [--data.path CORPUS] [--json-key text] [--workers N]
                        [--tokenizer FILE | --vocab N] [--max-bad N]
 threefold checkpoint {info,export,import-hf,export-hf} ...
-threefold plan ..."""
+threefold plan ...
+threefold tune --nproc N [--space KEY=V1,V2 ...] [--trials N] [--minutes M] [--out DIR]"""
 
 
 def _train(argv: list[str]) -> int:
@@ -72,6 +73,7 @@ COMMANDS = {
     "train": _train,
     "memory": _lazy("threefold.train.memory_command:memory_command"),
     "plan": _lazy("threefold.planner.command:plan_command"),
+    "tune": _lazy("threefold.planner.tune.command:tune_command"),
     "checkpoint": _lazy("threefold.checkpoint.command:checkpoint_command"),
     "bench": _bench,
     "data": _lazy("threefold.data.prepare:data_command"),

@@ -65,7 +65,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the model is spread over devices (DP x TP x PP, plus reserved EP/CP)."""
+    """How the model is spread over devices (DP x CP x TP x PP, with EP carved out of DP)."""
 
     dp: int = knob(1, "Data-parallel degree (0 = fill the world under torchrun)")
     tp: int = knob(1, "Tensor-parallel degree (kept inside a node)")
@@ -73,7 +73,10 @@ class ParallelConfig:
     sp: bool = knob(False, "Sequence parallelism in the tensor-parallel group (needs tp > 1)")
     zero: int = knob(0, "ZeRO stage 0-3: shard optimizer state / gradients / parameters over dp", (0, 1, 2, 3))
     ep: int = knob(1, "Expert-parallel degree: experts sharded over ep ranks carved out of dp")
-    cp: int = knob(1, "Context-parallel degree (reserved; must be 1)")
+    cp: int = knob(1, "Context-parallel degree: every sequence is split over cp ranks (zigzag chunks i, 2cp-1-i)")
+    cp_impl: str = knob(
+        "ring", "Context-parallel attention: ring (KV blocks rotate) or a2a (Ulysses heads all-to-all)", ("ring", "a2a")
+    )
     vpp: int = knob(1, "Virtual pipeline chunks per rank (interleaved schedule)")
     schedule: str = knob("1f1b", "Pipeline schedule", ("gpipe", "1f1b", "interleaved", "zb"))
     stage_layers: str = knob("", "Layers per virtual pipeline stage, e.g. '3,4,4,3' ('' = balanced by cost)")

@@ -124,8 +124,7 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
         _positive(f"parallel.{key}", getattr(p, key))
     _positive("parallel.dp", p.dp, allow_zero=True)
     resolve_dp(cfg, world_size)
-    if p.cp != 1:
-        raise ConfigError("parallel.cp", "context parallelism is reserved in the grid but not implemented", "valid: 1")
+    validate_context_parallel(cfg)
     if p.tp > 1:
         valid = "valid: " + ", ".join(map(str, _valid_tp(cfg)))
         _divides("parallel.tp", "model.heads", m.heads, "parallel.tp", p.tp, valid)
@@ -149,8 +148,9 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
         raise ConfigError(
             "parallel.sp", "sequence parallelism needs tensor parallelism", "set parallel.tp > 1 or sp false"
         )
-    if p.sp:
-        _divides("parallel.sp", "model.seq_len", m.seq_len, "parallel.tp", p.tp, "seq_len must split evenly over tp")
+    if p.sp:  # the sequence is split over cp first, then over tp
+        what = "model.seq_len" if p.cp == 1 else "seq_len/cp"
+        _divides("parallel.sp", what, m.seq_len // p.cp, "parallel.tp", p.tp, "seq_len must split evenly over tp")
     _positive("parallel.bucket_mb", p.bucket_mb)
     if p.grad_reduce == "every" and p.zero < 2:
         raise ConfigError(
@@ -175,17 +175,34 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
         )
     if m.num_experts and p.tp > 1:
         # The MoE layers split their tokens over the TP ranks (experts are not tensor-sharded).
-        _divides(
-            "parallel.tp", "model.seq_len", m.seq_len, "parallel.tp", p.tp, "MoE layers split the sequence over tp"
-        )
+        what = "model.seq_len" if p.cp == 1 else "seq_len/cp"
+        _divides("parallel.tp", what, m.seq_len // p.cp, "parallel.tp", p.tp, "MoE layers split the sequence over tp")
     _checkpoint_keys(cfg)
     world = p.dp * p.tp * p.pp * p.cp
     if world_size is not None and world != world_size:
         raise ConfigError(
             "parallel",
-            f"dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {world} but torchrun started {world_size} processes",
+            f"dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {world} but torchrun started {world_size} processes",
             "make the product equal the world size, or set parallel.dp 0",
         )
+
+
+def validate_context_parallel(cfg: Config) -> None:
+    """parallel.cp: the zigzag layout (2cp chunks, rank i holding i and 2cp-1-i) on every rank, and
+    what each attention variant and the rest of the model can serve."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return
+    if ":" in m.arch:  # a user model's attention is its own: nothing swaps in the cp kernel
+        raise ConfigError("parallel.cp", f"{p.cp} is not supported for a user model ({m.arch})", "valid: 1")
+    if cfg.data.document_mask:
+        raise ConfigError("data.document_mask", f"not supported with context parallelism (cp {p.cp})", "set it false")
+    _divides("model.seq_len", "model.seq_len", m.seq_len, "2*parallel.cp", 2 * p.cp, "a multiple of 2*cp")
+    if m.num_experts and m.capacity_factor > 0:  # the capacity queue runs in token order
+        raise ConfigError("model.capacity_factor", f"must be 0 (dropless) with cp {p.cp}", "set it to 0")
+    for key, heads in (("heads", m.heads), ("kv_heads", m.kv_heads)) if p.cp_impl == "a2a" else ():
+        local, ring = max(1, heads // p.tp), "a2a splits the TP-local heads over cp; or use parallel.cp_impl ring"
+        _divides("parallel.cp", f"a2a: model.{key}/tp", local, "parallel.cp", p.cp, ring)
 
 
 def _checkpoint_keys(cfg: Config) -> None:

@@ -3,7 +3,8 @@
     norm = finalize_grads(engine, grid, partial, tied, tied_copy, span)
 
 1. Data parallel / ZeRO: wait for the bucket reductions backward launched and reduce what is
-   left (`engine.finish`: all-reduce for ZeRO 0/1, reduce-scatter for ZeRO 2/3).
+   left (`engine.finish`: all-reduce for ZeRO 0/1, reduce-scatter for ZeRO 2/3), over grid.dp_cp:
+   context-parallel ranks hold the same weights and the gradients of different tokens.
 2. Tensor parallel: parameters every TP rank holds whole but computes only part of the
    gradient of — norms under sequence parallelism, kv heads shared when kv_heads < tp, an MoE
    router — are summed over the TP group (`partial`). Summing over dp first and then over tp

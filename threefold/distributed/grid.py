@@ -29,13 +29,16 @@ ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
 # Each named group: the ranks that differ only in these tokens ('dp' alone = edp). The full
 # data-parallel group varies ep and edp. Replicas of one expert shard ("expert_dp"): experts are
 # whole on every TP rank (which split the tokens), so their gradients are summed over tp and edp
-# in one collective. "embed" (first and last stage of each pipeline: they share tied embeddings)
-# is derived from "pp".
+# in one collective. "dp_cp": the replicas of a dense weight under context parallelism (cp ranks
+# hold the same weights and see different tokens of the same samples), the group dense gradients
+# are reduced and ZeRO-sharded over (Megatron's dp_cp); with cp 1 it is the dp group itself.
+# "embed" (first and last stage of each pipeline: they share tied embeddings) is derived from "pp".
 GROUP_DIMS: dict[str, tuple[str, ...]] = {
     "tp": ("tp",),
     "pp": ("pp",),
     "dp": ("ep", "dp"),
     "cp": ("cp",),
+    "dp_cp": ("ep", "dp", "cp"),
     "ep": ("ep",),
     "edp": ("dp",),
     "expert_dp": ("tp", "cp", "dp"),
@@ -150,7 +153,7 @@ class RankLayout:
 
 
 # The span category a group's collectives are timed as (when log.spans attaches a recorder).
-SPAN_CATEGORY = {"tp": "tp_comm", "ep": "ep_a2a"}
+SPAN_CATEGORY = {"tp": "tp_comm", "ep": "ep_a2a", "cp": "cp_comm"}
 
 
 def _communicators(layout: RankLayout, rank: int, world: int, timeout: timedelta | None) -> dict[tuple, object]:
@@ -192,6 +195,7 @@ class Grid:
         self.ep_rank, self.edp_rank = c["ep"], c["edp"]
         self._groups = groups
         self.tp, self.pp, self.dp, self.cp = groups["tp"], groups["pp"], groups["dp"], groups["cp"]
+        self.dp_cp = groups["dp_cp"]  # dense gradients' reduction and ZeRO's shards
         self.ep, self.edp = groups["ep"], groups["edp"]
         self.expert_dp = groups["expert_dp"]
         self.embed = groups.get("embed")  # None on ranks between the first and last stage
@@ -204,7 +208,9 @@ class Grid:
         names = ["world", *RankLayout().group_lists()]
         every = {n: Group(n, [rank], None) for n in names}
         every.update(groups)
-        layout = RankLayout(dp=every["dp"].size, tp=every["tp"].size)
+        if "dp_cp" not in groups:  # without cp the gradient replicas are the dp group
+            every["dp_cp"] = every["dp"]
+        layout = RankLayout(dp=every["dp"].size, tp=every["tp"].size, cp=every["cp"].size)
         return cls(layout, rank, every)
 
     @classmethod
@@ -226,6 +232,8 @@ class Grid:
         for name, ranks in layout.groups_of(rank).items():
             pg = made.get(tuple(ranks))  # None for a group of this rank alone
             groups[name] = Group(name, ranks, pg, device=device, span_category=SPAN_CATEGORY.get(name, "sync"))
+        if layout.cp == 1:  # the same replicas: the same object, so its traffic is counted as dp's
+            groups["dp_cp"] = groups["dp"]
         return cls(layout, rank, groups)
 
     @property
@@ -256,5 +264,9 @@ class Grid:
             "dp": lay.dp,
             "pp": lay.pp,
             "order": lay.order,
-            "groups": {k: v for k, v in lay.group_lists().items() if k in ("tp", "pp", "dp", "ep")},
+            "groups": {
+                k: v
+                for k, v in lay.group_lists().items()
+                if k in ("tp", "pp", "dp", "ep") or (lay.cp > 1 and "cp" in k)
+            },
         }

@@ -4,6 +4,8 @@ The order is fixed (as in torchtitan):
   1. construct the plain model on the meta device (no memory);
   2. tensor/sequence parallelism swaps linears, embedding and loss for sharded ones; expert
      parallelism keeps this rank's experts and routes tokens to the others by all-to-all;
+  2b. context parallelism swaps each attention core for the cp one and gives RoPE / learned
+     positions this rank's global token positions (distributed/context_parallel/apply.py);
   3. activation recomputation wraps blocks (after TP, so a rerun repeats the TP collectives);
      train.compile then compiles each block, TP/EP/recompute modules kept eager (model/compile.py);
   4. materialize only this rank's shards, declare each parameter's sharding record once
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from threefold.config import Config
+from threefold.distributed.context_parallel.apply import apply_context_parallel
 from threefold.distributed.expert_parallel import apply_expert_parallel
 from threefold.distributed.grid import Grid
 from threefold.distributed.tensor_parallel import (
@@ -63,6 +66,8 @@ def build_model(
         model = Transformer(cfg.model, layer_ids, first, last)
         apply_tensor_parallel(model, grid, cfg.parallel.sp, cfg.parallel.tp_comm_overlap)
         apply_expert_parallel(model, grid, cfg.model)
+    # Off the meta device: the positions are real tensors; the core holds no parameters.
+    apply_context_parallel(model, grid, cfg.parallel.cp_impl, cfg.model.seq_len, device)
     apply_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
     if cfg.train.compile:  # after TP/EP/recompute: their modules stay outside the compiled code
         compile_blocks(model, cfg.train.compile_backend)
@@ -79,8 +84,11 @@ def build_model(
 def dropout_seed(seed: int, grid: Grid, sp: bool) -> int:
     """Seed of the default generator, which only dropout draws from. TP ranks share it while
     they hold the same replicated activations (their masks must agree); under SP each rank holds
-    different sequence rows, and data-parallel ranks different samples: those seeds differ."""
+    different sequence rows, context-parallel and data-parallel ranks different tokens: those
+    seeds differ."""
     key = f"{seed}/dropout/dp{grid.dp_rank}/pp{grid.pp_rank}/tp{grid.tp_rank if sp else 0}"
+    if grid.cp.size > 1:  # cp ranks hold different tokens (the key without cp stays as it was)
+        key += f"/cp{grid.cp_rank}"
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
 
 

@@ -20,6 +20,7 @@ from threefold.config import Config
 from threefold.data import load_tokens
 from threefold.data.split import heldout_starts
 from threefold.distributed.comm import all_reduce_sum
+from threefold.distributed.context_parallel.apply import split_sequence
 from threefold.distributed.grid import Grid
 from threefold.inference.forward import pipeline_forward
 
@@ -44,7 +45,7 @@ def evaluate(chunks: list[nn.Module], grid: Grid, cfg: Config, tokens: np.ndarra
             real = len(batch) > 0
             if not real:  # keep in step with the other dp ranks (ZeRO-3 gathers); loss discarded
                 batch = starts[:1]
-            x, y = _windows(tokens, batch, seq)
+            x, y = (split_sequence(t, grid) for t in _windows(tokens, batch, seq))  # cp: this rank's columns
             out = pipeline_forward(chunks, grid, x, y, cfg.model.hidden, cfg.parallel.sp)
             if out is not None and real:
                 total += float(out.double())

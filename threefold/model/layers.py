@@ -113,8 +113,11 @@ class Attention(nn.Module):
         super().__init__()
         hd, bias = cfg.head_dim, cfg.arch == "gpt2"
         qkv_bias = bias or cfg.qkv_bias
-        self.head_dim, self.rope_theta = hd, cfg.rope_theta
+        self.head_dim, self.rope_theta, self.seq_len = hd, cfg.rope_theta, cfg.seq_len
         self.use_rope = cfg.arch == "llama"
+        # Global positions of this rank's tokens [s] when its sequence is a subset of the whole
+        # one (context parallelism sets them); None: positions 0..s-1.
+        self.positions: torch.Tensor | None = None
         self.wq = Linear(cfg.hidden, cfg.heads * hd, bias=qkv_bias)
         self.wk = Linear(cfg.hidden, cfg.kv_heads * hd, bias=qkv_bias)
         self.wv = Linear(cfg.hidden, cfg.kv_heads * hd, bias=qkv_bias)
@@ -128,7 +131,11 @@ class Attention(nn.Module):
         s, b = q.shape[0], q.shape[1]  # the full sequence: under SP the entry gathered it
         q, k, v = (t.view(s, b, -1, self.head_dim) for t in (q, k, v))
         if self.use_rope:
-            cos, sin = _rope_constants(s, self.head_dim, self.rope_theta, q.device)
+            cos, sin = _rope_constants(
+                s if self.positions is None else self.seq_len, self.head_dim, self.rope_theta, q.device
+            )
+            if self.positions is not None:  # rows of the global table: RoPE sees global positions
+                cos, sin = cos[self.positions], sin[self.positions]
             if documents is not None:  # [s, 1, 1, hd/2] tables -> [s, b, 1, hd/2] per token
                 at = documents.positions.t()
                 cos, sin = cos[:, 0, 0][at].unsqueeze(2), sin[:, 0, 0][at].unsqueeze(2)

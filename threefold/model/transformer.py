@@ -40,6 +40,8 @@ class Transformer(nn.Module):
             self.head.weight = self.tok_embed.weight
         # Swapped for the vocab-parallel version by tensor parallelism.
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
+        # Global positions of this rank's tokens [seq] (context parallelism; None: 0..seq-1).
+        self.positions: torch.Tensor | None = None
         # Hooks tensor/sequence parallelism installs at the stage boundaries (identity here).
         self.embed_out: Callable[[torch.Tensor], torch.Tensor] = _identity
 
@@ -48,7 +50,9 @@ class Transformer(nn.Module):
         learned position table per token (document masking restarts them per document)."""
         x = self.tok_embed(tokens.t())
         if self.pos_embed is not None:
-            if positions is None:
+            if positions is None and self.positions is not None:
+                x = x + self.pos_embed.weight[self.positions, None, :]
+            elif positions is None:
                 x = x + self.pos_embed.weight[: tokens.shape[1], None, :]
             else:
                 x = x + self.pos_embed.weight[positions.t()]

@@ -39,6 +39,7 @@ HINTS = {
     "weight_grad": "compute slower than calibrated?",
     "recompute": "recompute setting changed, or compute slower?",
     "tp_comm": "TP link slower than calibrated?",
+    "cp_comm": "CP link slower, or ring blocks too small to hide their transfer?",
     "pp_p2p": "PP link slower than calibrated?",
     "pp_bubble": "a slower pipeline stage, or fewer micro-batches?",
     "dp_exposed": "DP link slower than calibrated, or a slower dp peer?",

@@ -35,8 +35,9 @@ from threefold.distributed import comm
 from threefold.observe.spans import CATEGORIES, SpanRecorder
 from threefold.observe.trace import TraceFile
 
-GROUPS = ("tp", "pp", "dp", "ep", "edp", "expert_dp", "embed", "world")
-"""Groups whose bytes (the logical tensor size of each collective or send) and calls are reported."""
+GROUPS = ("tp", "cp", "pp", "dp", "ep", "edp", "expert_dp", "embed", "world")
+"""Groups whose bytes (the logical tensor size of each collective or send) and calls are reported.
+"dp" is where dense gradients are reduced: the dp group, or dp x cp under context parallelism."""
 
 _UNTIMED = contextlib.nullcontext()
 
@@ -76,6 +77,7 @@ class StepObserver:
         self.trace_steps = parse_trace_steps(log_cfg.trace_steps) if self.recorder else set()
         self.log_dir = Path(log_cfg.dir)
         self._groups = [getattr(grid, name, None) for name in GROUPS]
+        self._groups[GROUPS.index("dp")] = getattr(grid, "dp_cp", None) or getattr(grid, "dp", None)
         self._counts0 = [0] * (2 * len(GROUPS))
         self._step = 0
         self._detail = None
@@ -101,10 +103,10 @@ class StepObserver:
         return BandCheck(bands) if self.is_logger else None
 
     def attach(self, chunks, engine=None) -> None:
-        """Time activation recomputation, the tensor- and expert-parallel collectives of these chunks, and
-        ZeRO-3's parameter gathers (their exposed wait) when `engine` shards parameters."""
+        """Time activation recomputation, the tensor-, context- and expert-parallel collectives of these
+        chunks, and ZeRO-3's parameter gathers (their exposed wait) when `engine` shards parameters."""
         # None detaches a recorder a previous run left on the grid.
-        self.grid.tp.spans = self.grid.ep.spans = self.recorder
+        self.grid.tp.spans = self.grid.cp.spans = self.grid.ep.spans = self.recorder
         if self.recorder is None:
             return
         for part in engine.parts if engine is not None else []:  # MoE: dense + experts

@@ -24,6 +24,7 @@ COLORS = {
     "weight_grad": "#C44E52",
     "recompute": "#8C8C8C",
     "tp_comm": "#55A868",
+    "cp_comm": "#A6D854",
     "pp_p2p": "#64B5CD",
     "pp_bubble": "#EEEEEE",
     "dp_exposed": "#8172B3",

@@ -372,6 +372,15 @@ def _tp(ctx: _Context) -> Finding | None:
     return ctx.finding("exposed tp communication", "tp_comm", knobs, "tensor-parallel collectives on every layer")
 
 
+def _cp(ctx: _Context) -> Finding | None:
+    if ctx.get("parallel.cp", 1) <= 1:
+        return None
+    # No knob yet: the planner prices no cp communication (no cp_comm term), so its gains would be invented.
+    return ctx.finding(
+        "exposed cp communication", "cp_comm", why="ring blocks or all-to-alls not hidden behind attention"
+    )
+
+
 def _ep(ctx: _Context) -> Finding | None:
     ep = ctx.get("parallel.ep", 1)
     if ep <= 1:
@@ -388,7 +397,7 @@ def _p2p(ctx: _Context) -> Finding | None:
     return ctx.finding("pipeline sends/receives", "pp_p2p", why="activations cross every stage boundary")
 
 
-COSTS = (_bubble, _dp, _data, _recompute, _optimizer, _checkpoint, _tp, _ep, _p2p)  # each: Finding or None
+COSTS = (_bubble, _dp, _data, _recompute, _optimizer, _checkpoint, _tp, _cp, _ep, _p2p)  # each: Finding or None
 
 
 def format_prescriptions(found: list[Finding], rank: int | None) -> str:

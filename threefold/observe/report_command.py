@@ -54,25 +54,6 @@ def _write_bands(run, path: str) -> str:
     return f"wrote bands of {len(bands)} categories to {path}: threefold train --log.bands {path}"
 
 
-def _cluster_pairs(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """(argv without them, the --cluster.KEY VALUE pairs): taken out before argparse, which
-    would read a pair's value as a run directory."""
-    rest, pairs, i = [], [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--cluster."):
-            key, eq, value = arg[len("--cluster.") :].partition("=")
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ConfigError(arg[2:], "missing value", "e.g. --cluster.profile calibrated.toml")
-                value, i = argv[i + 1], i + 1
-            pairs.append((key, value))
-        else:
-            rest.append(arg)
-        i += 1
-    return rest, pairs
-
-
 def report_command(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="threefold report", usage=USAGE)
     ap.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's log.dir (one, or two to compare)")
@@ -81,7 +62,9 @@ def report_command(argv: list[str]) -> int:
     ap.add_argument(
         "--write-bands", metavar="FILE", help="write the run's measured step shares as bands for train's log.bands"
     )
-    argv, cluster_pairs = _cluster_pairs(argv)
+    from threefold.planner.cluster import split_cluster_args
+
+    argv, cluster_pairs = split_cluster_args(argv)
     args = ap.parse_args(argv)
     if len(args.runs) > 2:
         ap.error("give one run directory, or two to compare")

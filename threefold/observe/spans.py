@@ -31,18 +31,19 @@ from dataclasses import dataclass, field
 import torch
 
 COMPUTE = ("forward", "backward", "weight_grad", "recompute")
-COMM = ("tp_comm", "pp_p2p", "pp_bubble", "dp_exposed", "ep_a2a", "sync")
+COMM = ("tp_comm", "cp_comm", "pp_p2p", "pp_bubble", "dp_exposed", "ep_a2a", "sync")
 HOST = ("data_wait", "optimizer", "checkpoint", "eval", "other")
 CATEGORIES = COMPUTE + COMM + HOST
 """Every category, in report order. What each one covers (docs/observability.md):
 forward/backward/weight_grad: the pipeline's F, B (input and, outside zb, weight gradients) and
 zb's W actions; recompute: activation recomputation inside backward; tp_comm: tensor-parallel
-collectives; pp_p2p: posting pipeline sends/receives and finishing sends; pp_bubble: blocked on a
-pipeline receive (the bubble plus transfer time not hidden); dp_exposed: data-parallel gradient
-reduction left after backward; ep_a2a: expert-parallel all-to-all; sync: the step's small global
-reductions (loss, tied embedding, metrics); data_wait: waiting for the next batch; optimizer:
-gradient norm, clipping, AdamW and ZeRO's parameter gather; checkpoint: a save blocking the step;
-other: the rest of the step (Python between spans)."""
+collectives; cp_comm: context-parallel attention transfers left waiting (ring blocks not hidden
+behind attention, Ulysses all-to-alls); pp_p2p: posting pipeline sends/receives and finishing
+sends; pp_bubble: blocked on a pipeline receive (the bubble plus transfer time not hidden);
+dp_exposed: data-parallel gradient reduction left after backward; ep_a2a: expert-parallel
+all-to-all; sync: the step's small global reductions (loss, tied embedding, metrics); data_wait:
+waiting for the next batch; optimizer: gradient norm, clipping, AdamW and ZeRO's parameter
+gather; checkpoint: a save blocking the step; other: the rest of the step (Python between spans)."""
 
 INDEX = {c: i for i, c in enumerate(CATEGORIES)}
 

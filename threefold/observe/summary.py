@@ -205,10 +205,10 @@ def format_summary(s: dict) -> str:
                 f"  pipeline bubble: measured {_pct(s['bubble_measured'])} of the step, "
                 f"theory {_pct(s['bubble_theory'])}"
             )
-        exposed = sum(b[c] for c in ("tp_comm", "pp_p2p", "dp_exposed", "ep_a2a"))
+        exposed = sum(b[c] for c in ("tp_comm", "cp_comm", "pp_p2p", "dp_exposed", "ep_a2a"))
         lines.append(
             f"  exposed communication: {_ms(exposed)} ({_pct(exposed / wall if wall else None)}): "
-            f"tp {_ms(b['tp_comm'])}, pp {_ms(b['pp_p2p'])}, dp {_ms(b['dp_exposed'])}, "
+            f"tp {_ms(b['tp_comm'])}, cp {_ms(b['cp_comm'])}, pp {_ms(b['pp_p2p'])}, dp {_ms(b['dp_exposed'])}, "
             f"ep {_ms(b['ep_a2a'])}"
         )
         if s["dp_comm_serial_s"] and s["zero"] == 3:

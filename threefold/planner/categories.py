@@ -28,7 +28,14 @@ from threefold.planner.cost import from_unit, unit
 K = 2.0  # interval half-width in sigmas: ~95% for log-normal residuals
 SIGMA_PRIOR = math.log(2.0)
 """A category with no residual spread to measure: a factor of 2 per sigma."""
-FITTED_ALONE = ("span_tp_comm_s", "span_ep_comm_s", "span_pp_comm_s", "span_dp_comm_s", "span_optimizer_s")
+FITTED_ALONE = (
+    "span_tp_comm_s",
+    "span_cp_comm_s",
+    "span_ep_comm_s",
+    "span_pp_comm_s",
+    "span_dp_comm_s",
+    "span_optimizer_s",
+)
 
 
 def fit_categories(eqs, cluster, band_of: dict[str, str]) -> dict[str, dict[str, float]]:

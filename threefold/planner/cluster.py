@@ -57,6 +57,9 @@ class Cluster:
     dp_overlap: float = knob(-1.0, "Fraction of DP/ZeRO communication hidden under backward (-1 = profile; 0 = none)")
     tp_overlap: float = knob(-1.0, "Fraction of TP/SP communication hidden under compute (-1 = profile; 0 = none)")
     allow_tp_across_nodes: bool = knob(False, "Let a tensor-parallel group span nodes (over the inter-node link)")
+    cp_min_seq: int = knob(
+        8192, "Search context parallelism (cp > 1) for sequences at least this long (0 = never; pin with --parallel.cp)"
+    )
     host_cores: int = knob(0, "cpu: cores the node's processes share; fewer than processes slows each (0 = no sharing)")
     core_share_exponent: float = knob(
         0.0,
@@ -373,6 +376,7 @@ def check_cluster(c: Cluster) -> None:
         "collective_overhead_us",
         "layer_overhead_us",
         "step_overhead_s",
+        "cp_min_seq",
     ):
         if getattr(c, key) < 0:
             raise ConfigError(f"cluster.{key}", f"must be >= 0, got {getattr(c, key)}")
@@ -406,3 +410,22 @@ def profile_toml(c: Cluster, comment: str = "", bands: dict | None = None) -> st
     for name, values in c.categories.items():
         lines += ["", f"[categories.{name}]"] + [f"{k} = {toml_value(float(v))}" for k, v in values.items()]
     return "\n".join(lines + toml_lines(bands or {})) + "\n"
+
+
+def split_cluster_args(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """(argv without them, the --cluster.KEY VALUE pairs): taken out before argparse, which
+    would read a pair's value as a positional argument (report, tune)."""
+    rest, pairs, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--cluster."):
+            key, eq, value = arg[len("--cluster.") :].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(arg[2:], "missing value", "e.g. --cluster.profile calibrated.toml")
+                value, i = argv[i + 1], i + 1
+            pairs.append((key, value))
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, pairs

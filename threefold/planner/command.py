@@ -29,6 +29,8 @@ PIN_KEYS = {
     "parallel.sp": "sp",
     "parallel.schedule": "schedule",
     "parallel.ep": "ep",
+    "parallel.cp": "cp",
+    "parallel.cp_impl": "cp_impl",
     "train.micro_batch": "mbs",
     "train.recompute": "recompute",
 }

@@ -17,6 +17,8 @@ The categories of one optimizer step on the slowest pipeline rank:
                times its GEMMs' small-shape factor (planner/kernels.py), plus the memory-bound
                work's bytes / elementwise_bw_gbps
     recompute  the forward work recomputation does again (selective: attention core; full: layers)
+    cp_comm    per layer and micro-batch, context_parallel.analytic_bytes over the cp link; ring:
+               what outlasts each step's attention is exposed, a2a: all (planner/cp_cost.py)
     tp_comm    TP: 4 all-reduces of sbh per layer and micro-batch (2 forward, 2 backward); SP: 4
                all-gathers + 4 reduce-scatters + the 2 all-gathers backward repeats to rebuild
                the sequence-sharded inputs; full recompute repeats the forward's; the vocab-
@@ -39,16 +41,17 @@ The categories of one optimizer step on the slowest pipeline rank:
     dp_comm    ZeRO 0 all-reduce 2(N-1)/N P; 1 and 2 reduce-scatter + all-gather, the same volume;
                3 reduce-scatter + an all-gather per micro-batch forward and backward; (1 - dp_overlap)
                of it exposed; on the last pipeline stage only what outlasts the p - 1 backward
-               passes the earlier stages still run. MoE: dense parameters over dp, the experts (E_params / ep per
-               device) over expert_dp = tp * dp / ep, the same formulas
+               passes the earlier stages still run. MoE: dense parameters over dp*cp, the experts
+               (E_params / ep per device) over expert_dp = tp*cp*dp / ep, the same formulas
     optimizer  AdamW reads and writes its state once: P_opt (2 K_opt + K_param + K_grad) bytes / mem_bw
                (at the process's core share, cpu: the bandwidth is the core's)
     overhead   layer_overhead per layer pass + step_overhead
 
-Links: TP over the intra-node link while tp fits in a node; DP inside a node while tp*dp does;
-EP while tp*ep does (order tp-cp-ep-dp-pp: an ep group spans tp*ep neighbouring ranks); PP over
-the inter-node link as soon as there is more than one node. Latency: a ring step per peer
-inside a node; across nodes NCCL's trees pay ~2 log2(N) steps instead of 2(N-1).
+Links (order tp-cp-ep-dp-pp: a group spans the product of the degrees up to its own): TP over
+the intra-node link while tp fits in a node; CP while tp*cp does; DP (over dp*cp replicas)
+while tp*cp*dp does; EP while tp*cp*ep does; PP over the inter-node link as soon as there is
+more than one node. Latency: a ring step per peer inside a node; across nodes NCCL's trees pay
+~2 log2(N) steps instead of 2(N-1).
 
 A calibrated cluster may carry a measured category's own parameters (`Cluster.categories`,
 from per-category least squares in calibrate.py); unit() uses them for that category's terms.
@@ -60,12 +63,24 @@ import math
 from dataclasses import dataclass, field
 
 from threefold.planner.cluster import Cluster
+from threefold.planner.cp_cost import cp_comm_terms, cp_link
 from threefold.planner.kernels import elementwise_bytes, gemm_factor, head_factor
 from threefold.planner.layout import Layout
 from threefold.planner.memory import ACT_BYTES
 from threefold.planner.model import ModelShape
 
-CATEGORIES = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "overhead")
+CATEGORIES = (
+    "compute",
+    "recompute",
+    "tp_comm",
+    "cp_comm",
+    "ep_comm",
+    "pp_comm",
+    "dp_comm",
+    "bubble",
+    "optimizer",
+    "overhead",
+)
 PARAMS = (
     "compute_efficiency",
     "elementwise_bw_gbps",
@@ -174,8 +189,11 @@ class StepTerms:
 def step_terms(
     shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: int, dtype: str = "bf16"
 ) -> StepTerms:
-    t, p, v, b, d = layout.tp, layout.pp, layout.vpp, layout.mbs, layout.dp
-    s, h = shape.seq_len, shape.hidden
+    # Context parallelism: gradients are reduced over dp x cp replicas and each rank computes
+    # seq/cp tokens, each attending over the whole sequence as layer_hw_flops counts: the
+    # zigzag layout gives every rank 1/cp of the quadratic attention work too.
+    t, p, v, b, d = layout.tp, layout.pp, layout.vpp, layout.mbs, layout.dp * layout.cp
+    s, h = shape.seq_len // layout.cp, shape.hidden
     m = layout.microbatches(global_batch)
     act = ACT_BYTES[dtype]
     kp, kg = act, 4  # working parameters in the run's dtype; gradients reduced in fp32 (the default)
@@ -187,7 +205,8 @@ def step_terms(
 
     tokens = b * s
     tp_link = "intra" if (t <= dpn and dpn % t == 0) or cluster.nodes == 1 else "inter"
-    ep_link = ep_group_link(cluster, t, layout.ep)
+    ep_link = ep_group_link(cluster, t, layout.ep, layout.cp)
+    cp_layer = cp_comm_terms(shape, cluster, layout, act, _latency_steps)
     full = int(layout.recompute == "full")
     shared = bool(getattr(shape.cfg, "shared_expert", False))
 
@@ -207,6 +226,7 @@ def step_terms(
             if full
             else {"compute_efficiency": extra / peak},
             "tp_comm": {},
+            "cp_comm": _scaled(cp_layer, layers),
             "ep_comm": {},
             "overhead": {},
         }
@@ -319,7 +339,7 @@ def step_terms(
     slow_layers = shape.layers if p == 1 else (split.last_layers if rank == "last" else split.first_layers)
     hw_flops = slow_layers * shape.layer_hw_flops[layout.recompute] + (shape.head_flops if rank == "last" else 0)
     hw_flops *= tokens / t * m
-    links = {"tp": tp_link, "pp": pp_link, "dp": dp_link, "ep": ep_link}
+    links = {"tp": tp_link, "pp": pp_link, "dp": dp_link, "ep": ep_link, "cp": cp_link(cluster, t, layout.cp)}
     return StepTerms(cats, rank, hw_flops, links, extra)
 
 
@@ -348,7 +368,7 @@ def _oversubscribed_pipeline(
     bubble = {k: total[k] - fit * own.get(k, 0.0) for k in total}
     flops = "compute_efficiency"
     if critical.get(flops, 0.0) >= spread.get(flops, 0.0):
-        bubble = merge_terms(bubble, _scaled(merge_terms(mb["tp_comm"], mb["ep_comm"]), m * ratio))
+        bubble = merge_terms(bubble, _scaled(merge_terms(mb["tp_comm"], mb["cp_comm"], mb["ep_comm"]), m * ratio))
     cats["bubble"] = {k: c for k, c in bubble.items() if c > 0}
 
 
@@ -363,24 +383,24 @@ def _gradient_sync(numel: float, n: int, zero: int, m: int, link: str, kp: int, 
     return ring * numel * (kg + 2 * m * kp), (1 + 2 * m) * _latency_steps(n, link, n - 1), 1 + 2 * m
 
 
-def ep_group_link(cluster: Cluster, t: int, ep: int) -> str:
-    """The ep ranks are consecutive data-parallel ranks after tp (order tp-cp-ep-dp-pp): the
-    group spans tp * ep neighbouring ranks, inside a node while that fits one."""
-    return "intra" if t * ep <= cluster.devices_per_node or cluster.nodes == 1 else "inter"
+def ep_group_link(cluster: Cluster, t: int, ep: int, cp: int = 1) -> str:
+    """The ep ranks are consecutive data-parallel ranks after tp and cp (order tp-cp-ep-dp-pp):
+    the group spans tp * cp * ep neighbouring ranks, inside a node while that fits one."""
+    return "intra" if t * cp * ep <= cluster.devices_per_node or cluster.nodes == 1 else "inter"
 
 
 def ep_all_to_all(shape: ModelShape, cluster: Cluster, layout: Layout, act: int) -> dict[str, float]:
     """One all-to-all of an MoE layer's dispatch (or combine) for one micro-batch, per rank.
 
-    A rank routes tokens / tp tokens (the TP ranks split them), each to top_k experts: V =
-    (b s / tp) top_k h bytes. With balanced routing it keeps 1/ep of V and sends the rest.
+    A rank routes tokens / tp tokens (the TP ranks split them; cp ranks hold s / cp each), each
+    to top_k experts: V = (b s / (cp tp)) top_k h bytes. Balanced, it keeps 1/ep of V, sends the rest.
     Inside a node that is (ep-1)/ep of V over the intra link; across nodes the share bound for
     other nodes' ranks, (ep - local)/ep with `local` group members per node, over the inter
     link (the in-node part moves at the same time, over the faster link)."""
     t, ep = layout.tp, layout.ep
-    volume = layout.mbs * shape.seq_len / t * shape.top_k * shape.hidden * act
-    link = ep_group_link(cluster, t, ep)
-    local = ep if link == "intra" else max(1, min(ep, cluster.devices_per_node // t))
+    volume = layout.mbs * shape.seq_len / layout.cp / t * shape.top_k * shape.hidden * act
+    link = ep_group_link(cluster, t, ep, layout.cp)
+    local = ep if link == "intra" else max(1, min(ep, cluster.devices_per_node // (t * layout.cp)))
     return {
         "volume": volume,
         "bytes": volume * (ep - local if link == "inter" else ep - 1) / ep,

@@ -1,7 +1,7 @@
 """The chosen layout as a TOML config that `threefold train --config FILE` reads.
 
 Every [model] shape key (the expert keys too, for an MoE model) and the layout keys of
-[parallel] (ep included) and [train] are written; other keys
+[parallel] (ep, cp and cp_impl included) and [train] are written; other keys
 only where they differ from the defaults (so a --config given to plan carries through). The
 recommended checkpoint interval is written when the config has a checkpoint.dir, else noted
 in the header.
@@ -29,7 +29,20 @@ _ALWAYS = {
         "seq_len",
         "tie_embeddings",
     ),
-    "parallel": ("dp", "tp", "pp", "sp", "zero", "ep", "vpp", "schedule", "devices_per_node", "allow_tp_across_nodes"),
+    "parallel": (
+        "dp",
+        "tp",
+        "pp",
+        "cp",
+        "cp_impl",
+        "sp",
+        "zero",
+        "ep",
+        "vpp",
+        "schedule",
+        "devices_per_node",
+        "allow_tp_across_nodes",
+    ),
     "train": ("global_batch", "micro_batch", "recompute", "dtype", "device"),
 }
 # The mixture-of-experts shape, written whenever the model has experts.
@@ -58,6 +71,7 @@ def layout_config(
     p, t = out.parallel, out.train
     p.dp, p.tp, p.pp, p.sp, p.zero, p.ep = layout.dp, layout.tp, layout.pp, layout.sp, layout.zero, layout.ep
     p.vpp, p.schedule = layout.vpp, layout.schedule
+    p.cp, p.cp_impl = layout.cp, layout.cp_impl
     p.microbatches = 0  # let train derive it from global_batch / (dp * micro_batch)
     p.devices_per_node, p.allow_tp_across_nodes = devices_per_node, allow_tp_across_nodes
     t.micro_batch, t.recompute = layout.mbs, layout.recompute

@@ -11,6 +11,7 @@ from threefold.errors import ConfigError
 
 SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
 RECOMPUTE = ("none", "selective", "full")
+CP_IMPLS = ("ring", "a2a")
 
 
 @dataclass(frozen=True)
@@ -27,17 +28,22 @@ class Layout:
     sp: bool = False
     recompute: str = "none"
     ep: int = 1
+    cp: int = 1
+    """Context parallelism: each sequence split over cp ranks (their own devices, beside dp)."""
+    cp_impl: str = "ring"
+    """Context-parallel attention: ring (KV blocks rotate) or a2a (Ulysses all-to-all over heads)."""
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.mbs)
 
     def spec(self) -> str:
-        """The --layout text that gives this layout back."""
-        parts = [f"{f.name}={_text(getattr(self, f.name))}" for f in dataclasses.fields(self)]
+        """The --layout text that gives this layout back (cp and cp_impl only when cp is used)."""
+        fields = [f for f in dataclasses.fields(self) if f.name not in ("cp", "cp_impl") or self.cp > 1]
+        parts = [f"{f.name}={_text(getattr(self, f.name))}" for f in fields]
         return ",".join(parts)
 
     def as_dict(self) -> dict:
@@ -76,14 +82,14 @@ def parse_layout(text: str, world: int) -> Layout:
         except ValueError:
             name = kind if isinstance(kind, str) else kind.__name__
             raise ConfigError("--layout", f"{key}={raw!r} is not a valid {name}") from None
-    for key in ("tp", "pp", "vpp", "mbs", "ep"):
+    for key in ("tp", "pp", "vpp", "mbs", "ep", "cp"):
         if values.get(key, 1) < 1:
             raise ConfigError("--layout", f"{key} must be >= 1, got {values[key]}")
     if "dp" not in values:
-        inner = values.get("tp", 1) * values.get("pp", 1)
+        inner = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1)
         if world % inner:
             raise ConfigError(
-                "--layout", f"tp*pp = {inner} does not divide the cluster's {world} devices", "give dp= explicitly"
+                "--layout", f"tp*pp*cp = {inner} does not divide the cluster's {world} devices", "give dp= explicitly"
             )
         values["dp"] = world // inner
     if values["dp"] < 1:
@@ -94,6 +100,8 @@ def parse_layout(text: str, world: int) -> Layout:
         raise ConfigError("--layout", f"schedule {values['schedule']!r} is unknown", "valid: " + ", ".join(SCHEDULES))
     if values.get("recompute", "none") not in RECOMPUTE:
         raise ConfigError("--layout", f"recompute {values['recompute']!r} is unknown", "valid: " + ", ".join(RECOMPUTE))
+    if values.get("cp_impl", "ring") not in CP_IMPLS:
+        raise ConfigError("--layout", f"cp_impl {values['cp_impl']!r} is unknown", "valid: " + ", ".join(CP_IMPLS))
     if values.get("zero", 0) not in (0, 1, 2, 3):
         raise ConfigError("--layout", f"zero {values['zero']} is not a ZeRO stage", "valid: 0, 1, 2, 3")
     return Layout(**values)
@@ -182,13 +190,41 @@ def schedule_reason(schedule: str, p: int, m: int, v: int) -> tuple[str, str] | 
 def feature_reason(model, layout: Layout) -> tuple[str, str] | None:
     if layout.sp and layout.tp == 1:
         return "sp", "sequence parallelism needs tensor parallelism (tp > 1)."
-    if layout.sp and model.seq_len % layout.tp:
-        return "sp", f"sequence parallelism needs seq_len {model.seq_len} to split evenly over tp={layout.tp}."
+    why = cp_reason(model, layout.cp, layout.cp_impl, layout.tp)
+    if why:
+        return why
+    if layout.sp and (model.seq_len // layout.cp) % layout.tp:
+        seq = model.seq_len // layout.cp
+        return "sp", f"sequence parallelism needs each cp rank's {seq} tokens to split evenly over tp={layout.tp}."
     why = ep_reason(model, layout.ep, layout.dp)
     if why:
         return why
-    if layout.zero and layout.dp == 1:
+    if layout.zero and layout.dp * layout.cp == 1:
         return "zero", f"ZeRO stage {layout.zero} shards over data-parallel ranks, and dp=1 has none to shard over."
+    return None
+
+
+def cp_reason(model, cp: int, impl: str, tp: int) -> tuple[str, str] | None:
+    """What validate.py refuses for parallel.cp, as the planner's sentences."""
+    if cp == 1:
+        return None
+    if ":" in getattr(model, "arch", ""):
+        return "cp", f"cp={cp}: a user model's attention is its own, so context parallelism cannot split it."
+    if model.seq_len % (2 * cp):
+        return "cp", (
+            f"cp={cp} cuts each sequence into 2*cp = {2 * cp} equal chunks (two per rank), "
+            f"but seq_len {model.seq_len} is not a multiple of {2 * cp}."
+        )
+    if getattr(model, "num_experts", 0) and getattr(model, "capacity_factor", 0):
+        return "cp", f"cp={cp} needs dropless routing (model.capacity_factor 0) in the MoE layers."
+    if impl == "a2a":
+        for name in ("heads", "kv_heads"):
+            local = max(1, getattr(model, name) // tp)
+            if local % cp:
+                return "cp", (
+                    f"cp={cp} with a2a splits each tp rank's {local} {name.replace('_', ' ')} over cp ranks, "
+                    "which needs them divisible by cp (ring has no such rule)."
+                )
     return None
 
 

@@ -7,7 +7,8 @@ reduced in fp32 (train.grad_reduce_dtype auto, Megatron's main grads): mixed pre
 4P + 4P + 8P with the same sharding. P is what one device holds before data-parallel sharding: its pipeline stage's
 layers and embedding/head, divided by tp. Mixture of experts: the routed experts are a second
 state, E_params / ep per device (whole on each TP rank), sharded by ZeRO over expert_dp, the
-tp * dp / ep ranks holding the same experts; the dense part keeps N = dp.
+tp * cp * dp / ep ranks holding the same experts; the dense part keeps N = dp * cp (context-
+parallel ranks hold the same weights; N = dp without cp). Activations under cp: seq/cp tokens.
 
 Activations per layer and micro-batch are Korthikanti et al. 2022, Table 2
 (`observe/activations.py`, `korthikanti_layer_bytes`): sbh(34 + 5as/h) without parallelism;
@@ -105,10 +106,12 @@ def moe_layer_activation_bytes(
 
 
 def mean_layer_activation_bytes(
-    shape: ModelShape, b: int, t: int, sp: bool, recompute: str, dtype: str = "bf16"
+    shape: ModelShape, b: int, t: int, sp: bool, recompute: str, dtype: str = "bf16", cp: int = 1
 ) -> float:
-    """Per layer and micro-batch, the mean over dense and MoE blocks."""
-    s, h, a = shape.seq_len, shape.hidden, shape.heads
+    """Per layer and micro-batch, the mean over dense and MoE blocks. Context parallelism (`cp`)
+    leaves each rank seq/cp tokens of every token-local activation, and its attention keeps only
+    the local q, k, v, output and log-sum-exp: the formula at seq/cp."""
+    s, h, a = shape.seq_len // cp, shape.hidden, shape.heads
     dense = layer_activation_bytes(s, b, h, a, t, sp, recompute, dtype)
     if not shape.is_moe:
         return dense
@@ -176,16 +179,17 @@ class Memory:
 
 
 def expert_dp(layout: Layout) -> int:
-    """Ranks holding the same experts: the TP ranks (which split tokens) times dp / ep."""
-    return layout.tp * layout.dp // layout.ep
+    """Ranks holding the same experts: the TP and CP ranks (which split tokens) times dp / ep."""
+    return layout.tp * layout.cp * layout.dp // layout.ep
 
 
 def device_memory(shape: ModelShape, layout: Layout, global_batch: int, dtype: str = "bf16") -> Memory:
-    t, p, v, b, s = layout.tp, layout.pp, layout.vpp, layout.mbs, shape.seq_len
+    t, p, v, b, s = layout.tp, layout.pp, layout.vpp, layout.mbs, shape.seq_len // layout.cp
+    replicas = layout.dp * layout.cp  # dense state: reduced and ZeRO-sharded over dp x cp (grid.dp_cp)
     m = layout.microbatches(global_batch)
     h, V = shape.hidden, shape.vocab
     split = shape.stage_split(p, v)
-    per_layer = mean_layer_activation_bytes(shape, b, t, layout.sp, layout.recompute, dtype)
+    per_layer = mean_layer_activation_bytes(shape, b, t, layout.sp, layout.recompute, dtype, layout.cp)
     first_inflight, last_inflight = inflight(layout.schedule, p, m, v)
     head_inflight = float(m) if (layout.schedule == "gpipe" and p > 1) else 1.0
     region = t if layout.sp else 1
@@ -193,11 +197,11 @@ def device_memory(shape: ModelShape, layout: Layout, global_batch: int, dtype: s
     kp = ACT_BYTES[dtype]
     buffers = 0.0
     if layout.recompute == "full":
-        buffers += mean_layer_activation_bytes(shape, b, t, layout.sp, "none", dtype)
+        buffers += mean_layer_activation_bytes(shape, b, t, layout.sp, "none", dtype, layout.cp)
     edp = expert_dp(layout)
-    if layout.zero == 3 and (layout.dp > 1 or edp > 1):  # the gathered layer and its prefetch
+    if layout.zero == 3 and (replicas > 1 or edp > 1):  # the gathered layer and its prefetch
         dense, expert = shape.state_numel(1, 0.0, t, layout.ep)
-        buffers += 2 * ((dense if layout.dp > 1 else 0.0) + (expert if edp > 1 else 0.0)) * kp
+        buffers += 2 * ((dense if replicas > 1 else 0.0) + (expert if edp > 1 else 0.0)) * kp
 
     if p == 1:
         outside = shape.embed_params + (0 if shape.tied else shape.head_params)
@@ -210,7 +214,7 @@ def device_memory(shape: ModelShape, layout: Layout, global_batch: int, dtype: s
     worst = None
     for name, layers, outside, held, extra in ranks:
         dense, expert = shape.state_numel(layers, outside, t, layout.ep)
-        state = model_state_bytes(dense, layout.dp, layout.zero, dtype)
+        state = model_state_bytes(dense, replicas, layout.zero, dtype)
         experts = model_state_bytes(expert, edp, layout.zero, dtype)
         acts = layers * per_layer * held + extra
         mem = Memory(*(state[k] + experts[k] for k in STATE), acts, buffers, held, name, sum(experts.values()))

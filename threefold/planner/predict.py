@@ -142,6 +142,7 @@ class RunPredictor:
         self.base = Layout(
             tp=p.tp, pp=p.pp, dp=max(1, p.dp), vpp=p.vpp, mbs=t.micro_batch,
             schedule=p.schedule if p.pp > 1 else "1f1b", zero=p.zero, sp=p.sp, recompute=t.recompute, ep=p.ep,
+            cp=p.cp, cp_impl=p.cp_impl,
         )  # fmt: skip
         named = {k for k, _ in cluster_pairs}
         pairs = list(cluster_pairs)
@@ -222,6 +223,7 @@ class RunPredictor:
         bandwidth, and the call's overhead plus a ring's latency steps over that group."""
         c, base = self.cluster, self._base
         link = base.links.get(group, "intra") if base is not None else "intra"
-        n = {"dp": self.base.dp, "tp": self.base.tp, "ep": self.base.ep, "pp": 2}.get(group, 2)
+        n = {"dp": self.base.dp * self.base.cp, "tp": self.base.tp, "ep": self.base.ep, "cp": self.base.cp, "pp": 2}
+        n = n.get(group, 2)
         latency = getattr(c, f"{link}_latency_us") * 1e-6 * 2 * max(0, n - 1)
         return getattr(c, f"{link}_bw_gbps") * 1e9, c.collective_overhead_us * 1e-6 + latency

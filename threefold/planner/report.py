@@ -17,6 +17,7 @@ _SHORT = {
     "compute": "compute",
     "recompute": "recompute",
     "tp_comm": "TP comm",
+    "cp_comm": "CP comm",
     "ep_comm": "EP all-to-all",
     "pp_comm": "PP comm",
     "dp_comm": "DP comm",
@@ -87,8 +88,9 @@ def split_text(pred: Prediction, bands: dict | None = None) -> str:
     )
 
 
-def table(preds: list[Prediction], moe: bool = False) -> str:
-    """One row per layout; `moe` adds the ep degree and the all-to-all's share."""
+def table(preds: list[Prediction], moe: bool = False, cp: bool = False) -> str:
+    """One row per layout; `moe` adds the ep degree and the all-to-all's share, `cp` the
+    context-parallel degree with its attention and the cp traffic's share."""
     cols = [
         "#",
         "tp",
@@ -142,7 +144,13 @@ def table(preds: list[Prediction], moe: bool = False) -> str:
         ]
         if moe:
             row[4:4], row[18:18] = [str(lay.ep)], [f"{f['ep_comm']:.0f}"]
+        if cp:
+            row.insert(cols.index("tp%") + 1, f"{f['cp_comm']:.0f}")
+            row.insert(cols.index("dp") + 1, f"{lay.cp} {lay.cp_impl}" if lay.cp > 1 else "1")
         rows.append(tuple(row))
+    if cp:
+        cols.insert(cols.index("tp%") + 1, "cp%")
+        cols.insert(cols.index("dp") + 1, "cp")
     left = {"sched", "recomp"}
     return _columns(cols, rows, lambda i: cols[i] in left)
 
@@ -152,7 +160,10 @@ def describe_prediction(p: Prediction, cluster: Cluster) -> str:
     lines = [
         f"layout {p.layout.spec()}",
         f"  {_plural(p.microbatches, 'micro-batch')} per step per data-parallel rank; links: TP {p.links['tp']}, "
-        f"PP {p.links['pp']}, DP {p.links['dp']}" + (f", EP {p.links['ep']}" if p.layout.ep > 1 else "") + "-node",
+        f"PP {p.links['pp']}, DP {p.links['dp']}"
+        + (f", EP {p.links['ep']}" if p.layout.ep > 1 else "")
+        + (f", CP {p.links['cp']}" if p.layout.cp > 1 else "")
+        + "-node",
         f"  memory per device {m.total / GiB:.2f} GiB of {p.usable_bytes / GiB:.1f} usable on the {m.rank} "
         f"pipeline rank: params {m.params / GiB:.2f} + grads {m.grads / GiB:.2f} + optimizer "
         f"{m.optimizer / GiB:.2f} + activations {m.activations / GiB:.2f} ({_plural(m.inflight, 'micro-batch')} "
@@ -188,7 +199,7 @@ def plan_text(plan: Plan, top: int, advice: FaultAdvice | None) -> str:
         header(plan.shape, plan.cluster, plan.global_batch, plan.dtype),
         f"searched {plan.considered} layouts in {plan.search_s:.2f} s; the {len(shown)} fastest that fit:",
         "",
-        table(shown, plan.shape.is_moe),
+        table(shown, plan.shape.is_moe, any(p.layout.cp > 1 for p in shown)),
         split_note(plan.cluster.validation, used),
         "",
         "best " + describe_prediction(plan.best, plan.cluster),

@@ -22,6 +22,7 @@ SPANS = {
         ("compute", "recompute", "overhead", "bubble"),
     ),
     "span_tp_comm_s": (("tp_comm",), ("tp_comm",)),
+    "span_cp_comm_s": (("cp_comm",), ("cp_comm",)),
     "span_ep_comm_s": (("ep_a2a",), ("ep_comm",)),
     "span_pp_comm_s": (("pp_p2p",), ("pp_comm",)),
     "span_dp_comm_s": (("dp_exposed",), ("dp_comm",)),
@@ -109,6 +110,8 @@ def load_run(path: str, warmup: int | None = None) -> Run:
         sp=p.sp,
         recompute=t.recompute,
         ep=p.ep,
+        cp=layout_info.get("cp", p.cp),
+        cp_impl=p.cp_impl,
     )
     hardware = info.get("hardware", {})
     extra = info.get("extra", {})

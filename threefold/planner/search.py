@@ -5,6 +5,13 @@ the node size, or of the world when TP may cross nodes; pp of what tp leaves; dp
 micro-batch sizes come from {1, 2, 4, 8, 16, 32}, vpp from the divisors 2..8 of the layers per
 stage, ZeRO only when dp > 1, SP only when tp > 1, ep over the divisors of dp that divide the
 experts (mixture-of-experts models; ep = 1 for dense ones).
+
+Context parallelism is searched only for long sequences, seq_len >= cluster.cp_min_seq (8192
+by default; 0 turns it off), or when --parallel.cp pins it: below ~8k tokens a sequence's
+activations fit once TP, SP and recompute are used, and cp's KV traffic and smaller per-rank
+GEMMs cost more than they give (Megatron-Core's guidance; Llama 3 used cp only for its 128k
+stage). cp runs over the divisors of what tp leaves with seq_len % (2 cp) == 0, each with ring
+and, where the TP-local heads divide, a2a (--parallel.cp_impl pins one).
 A rule that fails for a degree rejects every layout under it at once, with one sentence.
 Memory is checked before time, so layouts that do not fit cost almost nothing.
 """
@@ -22,6 +29,7 @@ from threefold.planner.layout import (
     SCHEDULES,
     Layout,
     batch_reason,
+    cp_reason,
     ep_reason,
     feature_reason,
     pp_reason,
@@ -45,6 +53,7 @@ KIND_TITLES = {
     "sp": "sequence parallelism does not apply",
     "zero": "ZeRO does not apply",
     "ep": "expert parallelism does not apply",
+    "cp": "context parallelism does not apply",
     "devices": "more devices than the cluster has",
 }
 
@@ -124,8 +133,10 @@ def _allowed(pins: dict, key: str, values) -> list:
     return list(values)
 
 
-def _complexity(layout: Layout) -> tuple:
+def complexity(layout: Layout) -> tuple:
+    """Ties in time go to the simpler layout: less cp, ZeRO, SP, recompute, interleaving, ep."""
     return (
+        layout.cp,
         layout.zero,
         layout.sp,
         RECOMPUTE.index(layout.recompute),
@@ -154,7 +165,9 @@ def search(
     usable = cluster.usable_bytes
 
     def reject(kind: str, partial: dict, sentence: str, score: float = 0.0) -> None:
-        spec = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in partial.items())
+        plain = partial.get("cp", 1) == 1  # cp keys only where cp is used, as Layout.spec writes them
+        items = [(k, v) for k, v in partial.items() if not (plain and k in ("cp", "cp_impl"))]
+        spec = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items)
         rejected.setdefault(kind, Rejected(kind)).add(spec, sentence, score)
 
     experts = getattr(cfg, "num_experts", 0)
@@ -166,31 +179,45 @@ def search(
         )
         pins["ep"] = 1
     tp_pool = [t for t in _divisors(world) if t <= cfg.heads]
-    for tp in _allowed(pins, "tp", tp_pool):
+    long_seq = cluster.cp_min_seq > 0 and cfg.seq_len >= cluster.cp_min_seq
+    for tp, cp in _tp_cp(pins, tp_pool, world, cfg.seq_len, long_seq):
         why = tp_reason(cfg, tp, dpn, cluster.allow_tp_across_nodes)
         if why:
             reject(why[0], {"tp": tp}, why[1])
             continue
-        rest = world // tp if world % tp == 0 else 0
-        pp_pool = [p for p in _divisors(rest) if p <= cfg.layers] if rest else []
+        impls = []
+        for impl in _allowed(pins, "cp_impl", ("ring", "a2a") if cp > 1 else ("ring",)):
+            why = cp_reason(cfg, cp, impl, tp)
+            if why:
+                reject(why[0], {"tp": tp, "cp": cp, "cp_impl": impl}, why[1])
+            else:
+                impls.append(impl)
+        if not impls:
+            continue
+        rest = world // (tp * cp) if world % (tp * cp) == 0 else 0
+        if not rest:
+            what = f"tp={tp} x cp={cp} = {tp * cp}" if cp > 1 else f"tp={tp}"
+            sentence = f"{what} does not divide the cluster's {world} devices."
+            reject("devices", {"tp": tp, "cp": cp}, sentence)
+            continue
+        pp_pool = [p for p in _divisors(rest) if p <= cfg.layers]
         for pp in _allowed(pins, "pp", pp_pool):
             why = pp_reason(cfg, pp, 1)
             if why:
-                reject(why[0], {"tp": tp, "pp": pp}, why[1])
+                reject(why[0], {"tp": tp, "cp": cp, "pp": pp}, why[1])
                 continue
-            dp = pins.get("dp", world // (tp * pp) if world % (tp * pp) == 0 else 0)
+            inner = tp * cp * pp
+            dp = pins.get("dp", world // inner if world % inner == 0 else 0)
+            what = f"tp={tp} x pp={pp}" + (f" x cp={cp}" if cp > 1 else "")
             if dp < 1:
-                reject(
-                    "devices",
-                    {"tp": tp, "pp": pp},
-                    f"tp={tp} x pp={pp} = {tp * pp} does not divide the cluster's {world} devices.",
-                )
+                sentence = f"{what} = {inner} does not divide the cluster's {world} devices."
+                reject("devices", {"tp": tp, "cp": cp, "pp": pp}, sentence)
                 continue
-            if tp * pp * dp > world:
+            if inner * dp > world:
                 reject(
                     "devices",
-                    {"tp": tp, "pp": pp, "dp": dp},
-                    f"tp={tp} x pp={pp} x dp={dp} needs {tp * pp * dp} devices but the cluster has {world}.",
+                    {"tp": tp, "cp": cp, "pp": pp, "dp": dp},
+                    f"{what} x dp={dp} needs {inner * dp} devices but the cluster has {world}.",
                 )
                 continue
             why = batch_reason(global_batch, dp)
@@ -220,9 +247,10 @@ def search(
                     if why:
                         reject(why[0], base, why[1])
                         continue
-                    for zero in _allowed(pins, "zero", (0, 1, 2, 3) if dp > 1 else (0,)):
+                    for zero in _allowed(pins, "zero", (0, 1, 2, 3) if dp * cp > 1 else (0,)):
                         for sp in _allowed(pins, "sp", (False, True) if tp > 1 else (False,)):
-                            for recompute, ep in itertools.product(_allowed(pins, "recompute", RECOMPUTE), ep_pool):
+                            recomputes = _allowed(pins, "recompute", RECOMPUTE)
+                            for recompute, ep, impl in itertools.product(recomputes, ep_pool, impls):
                                 layout = Layout(
                                     tp=tp,
                                     pp=pp,
@@ -234,6 +262,8 @@ def search(
                                     sp=sp,
                                     recompute=recompute,
                                     ep=ep,
+                                    cp=cp,
+                                    cp_impl=impl,
                                 )
                                 considered += 1
                                 why = feature_reason(cfg, layout)
@@ -247,7 +277,7 @@ def search(
                                     )
                                     continue
                                 pred = predict(shape, cluster, layout, global_batch, dtype, memory=mem)
-                                key = (pred.step_time_s, _complexity(layout), mem.total)
+                                key = (pred.step_time_s, complexity(layout), mem.total)
                                 fits.append((key, considered, pred))
     fits.sort(key=lambda item: item[:2])
     ranked, seen = [], set()
@@ -264,6 +294,8 @@ def search(
             lay.sp,
             lay.recompute,
             lay.ep,
+            lay.cp,
+            lay.cp_impl,
             round(pred.step_time_s, 9),
         )
         if fold in seen:
@@ -273,6 +305,21 @@ def search(
         if len(ranked) >= keep:
             break
     return Plan(shape, cluster, global_batch, dtype, ranked, rejected, considered, time.perf_counter() - t0)
+
+
+def _tp_cp(pins: dict, tp_pool: list[int], world: int, seq: int, long_seq: bool) -> list[tuple[int, int]]:
+    """(tp, cp) pairs: cp = 1 only, unless the sequence is long or cp is pinned; then the
+    divisors of world / tp whose 2 cp chunks cut the sequence evenly (a pinned cp as given, for
+    the rules to judge)."""
+    pairs = []
+    for tp in _allowed(pins, "tp", tp_pool):
+        if "cp" in pins:
+            pairs.append((tp, pins["cp"]))
+        elif not long_seq or world % tp:
+            pairs.append((tp, 1))
+        else:
+            pairs += [(tp, cp) for cp in _divisors(world // tp) if seq % (2 * cp) == 0]
+    return pairs
 
 
 def _schedules(cfg, pp: int, pins: dict) -> list[tuple[str, int]]:

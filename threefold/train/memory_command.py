@@ -87,6 +87,7 @@ def memory_command(argv: list[str]) -> int:
     title = (
         f"threefold memory: {cfg.model.preset}, tp {p.tp} x pp {p.pp} x dp {p.dp}"
         + (f" (ep {p.ep})" if p.ep > 1 else "")
+        + (f" x cp {p.cp} ({p.cp_impl})" if p.cp > 1 else "")
         + f", zero {p.zero}, schedule {p.schedule}, "
         f"micro-batches {p.microbatches} x {cfg.train.micro_batch}, recompute {cfg.train.recompute}"
     )

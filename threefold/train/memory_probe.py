@@ -66,7 +66,10 @@ def predicted_activation_bytes(cfg: Config, grid, chunks: list[nn.Module], eleme
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if m.num_experts:
         return None
-    s, b, h = m.seq_len, t.micro_batch, m.hidden
+    # Context parallelism: every token-local activation is of this rank's seq/cp tokens, and the
+    # cp attention keeps only local q, k, v, output and log-sum-exp (the ring re-sends the other
+    # ranks' k/v in backward; a2a's head-sharded copies are as large as the local ones).
+    s, b, h = m.seq_len // p.cp, t.micro_batch, m.hidden
     per_layer = layer_activation_elements(s, b, h, m.heads, m.kv_heads, m.ffn_hidden, p.tp, p.sp, t.recompute)
     actions = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp)[grid.pp_rank]
     layers = [len(c.layers) for c in chunks]
@@ -170,6 +173,7 @@ class MemoryProbe:
             "tp": grid.tp_rank,
             "pp": grid.pp_rank,
             "dp": grid.dp_rank,
+            "cp": grid.cp_rank,
             "ep": grid.ep_rank,
             "measured": {**self.state["measured"], "activations": self.activations},
             "startup_peak": self.startup_peak,

@@ -31,6 +31,7 @@ from threefold.data import GlobalBatchSampler, load_tokens
 from threefold.data.split import training_part
 from threefold.data.tokenizer import check_vocab, open_tokenizer
 from threefold.distributed.comm import all_reduce_sum
+from threefold.distributed.context_parallel.apply import split_microbatches
 from threefold.distributed.data_parallel import MixedPrecision, build_data_parallel
 from threefold.distributed.data_parallel.state import refresh_params
 from threefold.distributed.finalize import finalize_grads
@@ -231,9 +232,11 @@ class Trainer(TrainingLoop):
     def batches(self, step: int) -> list:
         """This rank's micro-batches of global step `step` (0-based)."""
         t = self.cfg.train
-        return self.sampler.microbatches(
+        # The cp ranks of one dp index read the same samples and keep their zigzag columns.
+        batches = self.sampler.microbatches(
             self.tokens.tokens, step, self.grid.dp_rank, self.grid.layout.dp, t.micro_batch
         )
+        return split_microbatches(batches, self.grid)
 
     def train_step(self, step: int, batches: list | None = None, data_wait_s: float = 0.0) -> StepResult:
         """One optimizer step on global step `step` (0-based): `batches` (default: the

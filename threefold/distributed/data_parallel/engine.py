@@ -1,4 +1,6 @@
-"""`DataParallel`: a model's gradients, reduction, sharding and optimizer over grid.dp.
+"""`DataParallel`: a model's gradients, reduction, sharding and optimizer over grid.dp_cp
+(the data-parallel replicas, times the context-parallel ranks that share their weights; the dp
+group itself without cp).
 
     engine = DataParallel(model, grid, zero=1, bucket_mb=25, precision=MixedPrecision(),
                           betas=(0.9, 0.95), weight_decay=0.1)
@@ -54,14 +56,14 @@ class DataParallel:
         """own_bucket: parameters laid out alone, so that all_reduce_grads_of can sum them with
         the same tensor on ranks whose other parameters differ (a tied embedding and its copy
         in the last pipeline stage, over grid.embed).
-        group: the replicas to reduce over (default grid.dp); only: which parameters this
+        group: the replicas to reduce over (default grid.dp_cp); only: which parameters this
         engine trains (default all); scaler: a loss scaler shared with a sibling engine (experts)."""
         if not bucket_mb > 0:
             raise ConfigError("parallel.bucket_mb", f"must be > 0, got {bucket_mb}", "e.g. 25")
         if zero not in (0, 1, 2, 3):
             raise ConfigError("parallel.zero", f"{zero} is not a ZeRO stage", "valid: 0, 1, 2, 3")
         self.chunks = list(model) if isinstance(model, (list, tuple, nn.ModuleList)) else [model]
-        self.model, self.grid, self.group = model, grid, grid.dp if group is None else group
+        self.model, self.grid, self.group = model, grid, grid.dp_cp if group is None else group
         self.requested_zero = zero
         self.zero = zero if self.group.size > 1 else 0
         self.precision = precision or MixedPrecision()

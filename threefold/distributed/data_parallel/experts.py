@@ -1,9 +1,9 @@
 """Data parallelism for a mixture-of-experts model: two engines, one optimizer step.
 
-Dense parameters are replicated over grid.dp. A routed expert lives on one expert-parallel
-rank and is replicated over grid.expert_dp (the tp x edp ranks with the same ep index: the
-TP ranks split the tokens, the edp ranks the batch), so its gradient is reduced, and under
-ZeRO its optimizer state sharded, over that group instead. Each group gets its own
+Dense parameters are replicated over grid.dp_cp (grid.dp without context parallelism). A routed
+expert lives on one expert-parallel rank and is replicated over grid.expert_dp (the tp x cp x edp
+ranks with the same ep index: the TP and CP ranks split the tokens, the edp ranks the batch), so
+its gradient is reduced, and under ZeRO its optimizer state sharded, over that group instead. Each group gets its own
 `DataParallel` (buckets, ZeRO stage, AdamW); this class makes them act as one: one loss
 scaler, one skip decision, one global gradient norm.
 
@@ -23,7 +23,7 @@ from threefold.model.moe import expert_parameters
 
 
 def build_data_parallel(chunks: list[nn.Module], grid, fused_adamw: bool | None = None, **kwargs):
-    """One engine over grid.dp, or the dense + expert pair when `chunks` hold routed experts.
+    """One engine over grid.dp_cp, or the dense + expert pair when `chunks` hold routed experts.
     `fused_adamw`: torch's fused AdamW kernel (None: where the parameters live on CUDA; on CPU
     the foreach path stays, whose updates are bit-identical to torch.optim.AdamW's)."""
     experts = expert_parameters(chunks)

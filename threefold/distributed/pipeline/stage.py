@@ -25,7 +25,7 @@ def build_stage(
     data-parallel engine, which must be built next, materializes the parameters unit by unit."""
     p, v = cfg.parallel.pp, cfg.parallel.vpp
     stages = stage_layer_ids(cfg.model, p, v, cfg.parallel.stage_layers)
-    defer = {"defer_init": True} if cfg.parallel.zero == 3 and grid.dp.size > 1 else {}
+    defer = {"defer_init": True} if cfg.parallel.zero == 3 and grid.dp_cp.size > 1 else {}
     chunks, first, last = [], [], []
     for c in range(v):
         s = c * p + grid.pp_rank
@@ -33,7 +33,8 @@ def build_stage(
         last.append(s == p * v - 1)
         chunks.append(build_chunk(stages[s], first[-1], last[-1], **defer))
     m = cfg.parallel.microbatches
-    seq = cfg.model.seq_len // (cfg.parallel.tp if cfg.parallel.sp else 1)
+    # The cp-local sequence crosses the wire; under SP each TP rank's share of it.
+    seq = cfg.model.seq_len // cfg.parallel.cp // (cfg.parallel.tp if cfg.parallel.sp else 1)
     wire = WireFormat((seq, cfg.train.micro_batch, cfg.model.hidden), dtype, device)
     store = None
     if cfg.parallel.schedule == "zb":
