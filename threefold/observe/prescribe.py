@@ -375,7 +375,7 @@ def _tp(ctx: _Context) -> Finding | None:
 def _cp(ctx: _Context) -> Finding | None:
     if ctx.get("parallel.cp", 1) <= 1:
         return None
-    # No knob yet: the planner prices no cp communication (no cp_comm term), so its gains would be invented.
+    # Named without a knob: the ones that relieve it (cp_impl, a smaller cp) are not yet offered with a gain.
     return ctx.finding(
         "exposed cp communication", "cp_comm", why="ring blocks or all-to-alls not hidden behind attention"
     )

@@ -12,6 +12,7 @@ key, so old measurements are never mixed into a new software stack's model.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -146,7 +147,7 @@ class TuneCache:
         """Keep `result` (its run files copied into the cache); returns it pointing at the copy."""
         if self.dir is None:
             return result
-        kept = TrialResult.from_dict(result.name, result.as_dict())
+        kept = dataclasses.replace(result, categories=dict(result.categories))
         if result.status == "ok":
             dest = self.dir / "runs" / result.name
             dest.mkdir(parents=True, exist_ok=True)

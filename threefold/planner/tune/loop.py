@@ -82,7 +82,6 @@ class Tuner:
         self.cache = TuneCache(root, key_parts(cfg, world, options.steps))
         self.by_name = {c.name: c for c in space.candidates}
         self.results: dict[str, TrialResult] = {}
-        self.excluded: dict[str, str] = {}
         self.memory_ceiling = math.inf
         self.journal: list[dict] = []
 
@@ -177,14 +176,12 @@ class Tuner:
         return max(NOISE_FLOOR, 2 * result.noise / math.sqrt(max(1, result.steps_used)))
 
     def _open(self, cand: Candidate, belief: Belief) -> bool:
-        if cand.name in self.results or cand.name in self.excluded:
+        if cand.name in self.results:  # measured, or failed: a failure is never retried
             return False
         return belief.planner.memory.total < self.memory_ceiling and belief.planner.fits
 
     def _calibrate(self) -> None:
-        from threefold.planner.runs import load_run
-
-        self.surrogate.recalibrate([load_run(r.path) for _, r in self._ok()])
+        self.surrogate.recalibrate([r.path for _, r in self._ok()])
 
     def _beliefs(self) -> dict[str, Belief]:
         self._calibrate()
@@ -206,8 +203,6 @@ class Tuner:
         self.results[cand.name] = result
         if result.status == "oom":
             self.memory_ceiling = min(self.memory_ceiling, self.surrogate.planner(cand).memory.total)
-        elif result.status != "ok":
-            self.excluded[cand.name] = result.reason
         entry = {
             "trial": len(self.journal) + 1,
             "name": cand.name,
@@ -257,7 +252,8 @@ def _cluster(pairs: list, world: int, cpu: bool, cfg: Config):
     pairs = list(pairs)
     named = {k for k, _ in pairs}
     if cpu:
-        pairs.append(("device", "cpu")) if "device" not in named and "profile" not in named else None
+        if "device" not in named and "profile" not in named:
+            pairs.append(("device", "cpu"))
         pairs += [(k, v) for k, v in (("devices_per_node", world), ("nodes", 1)) if k not in named]
     cluster = build_cluster(pairs, cache_dir=cfg.data.cache_dir)
     if not cpu and "nodes" not in named:

@@ -194,22 +194,6 @@ def trial_config(cfg: Config, layout: Layout) -> Config:
     return out
 
 
-def trial_overrides(layout: Layout) -> dict[str, object]:
-    """The config keys a candidate sets, as {"section.key": value} (for the journal and TOML)."""
-    return {
-        "parallel.dp": layout.dp,
-        "parallel.tp": layout.tp,
-        "parallel.pp": layout.pp,
-        "parallel.cp": layout.cp,
-        "parallel.vpp": layout.vpp,
-        "parallel.schedule": layout.schedule,
-        "parallel.zero": layout.zero,
-        "parallel.sp": layout.sp,
-        "train.micro_batch": layout.mbs,
-        "train.recompute": layout.recompute,
-    }
-
-
 def trainer_refusal(cfg: Config, layout: Layout, world: int) -> str | None:
     """The trainer's own one-line refusal of `cfg` running `layout`, or None if it would start."""
     from threefold.validate import validate

@@ -75,19 +75,21 @@ class Surrogate:
         """log(measured / predicted) of each trial against the planner as it stood BEFORE the
         trial: out-of-sample errors, unlike the calibration's residuals on the runs it fitted."""
 
-    def recalibrate(self, runs: list) -> None:
+    def recalibrate(self, paths: list[str]) -> None:
         """Refit the cluster's parameters and per-category values to every measured run
-        (planner.calibrate.fit from the uncalibrated profile, so nothing compounds)."""
+        directory (planner.calibrate.fit from the uncalibrated profile, so nothing compounds);
+        the runs are read only when one was added since the last fit."""
         from threefold.planner.calibrate import fit
+        from threefold.planner.runs import load_run
 
-        if not runs or len(runs) == self.calibrated_on:
+        if not paths or len(paths) == self.calibrated_on:
             return
         try:
-            self.cluster = fit(runs, self.base).cluster
+            self.cluster = fit([load_run(p) for p in paths], self.base).cluster
             self.note = ""
         except UserError as err:  # too few distinct runs for any parameter: keep the last fit
             self.note = str(err)
-        self.calibrated_on = len(runs)
+        self.calibrated_on = len(paths)
 
     def planner(self, cand: Candidate) -> Prediction:
         return predict(self.shape, self.cluster, cand.layout, self.global_batch, self.dtype)

@@ -10,7 +10,6 @@ says which and the tuner learns from each (tune/loop.py).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -138,9 +137,3 @@ def _keep_output(run_dir: Path, stdout, stderr) -> None:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         (run_dir / name).write_text(text or "", encoding="utf-8")
-
-
-def read_journal(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
