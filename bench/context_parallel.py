@@ -16,8 +16,11 @@
     (measure_overlap).
 (b) train: `threefold train --model.preset tiny --model.seq_len N --parallel.cp C --parallel.cp_impl X`
     (global batch 2, micro-batch 1), rounds of every configuration in turn; the median step
-    time of steps 2.. of each run, as a ratio to cp 1's in the same round; and `threefold
-    memory`'s measured activation bytes on rank 0 (autograd's saved tensors at their peak).
+    time of steps 2.. of each run, as a ratio to cp 1's in the same round; the ring's hidden
+    fraction on the run's last step, which is traced (`cp_hidden` in metrics.jsonl: the step's
+    exposed cp wait against its exchanges replayed alone after it; `cp_hidden_own`: the same
+    with the waits for a slower cp peer set aside); and `threefold memory`'s
+    measured activation bytes on rank 0 (autograd's saved tensors at their peak).
 
 The analytic minimum is cp 1's time / cp and cp 1's memory / cp. These machines have 2 cores
 for everyone: cp 4 runs 4 processes on 2 cores and measures oversubscription, not scaling.
@@ -174,12 +177,18 @@ def train_level(seqs: list[int], runs: list, rounds: int, steps: int) -> list[di
         for _ in range(rounds):
             for run in runs:
                 with tempfile.TemporaryDirectory() as log:
-                    done = _threefold("train", _train_args(seq, *run, log) + ["--train.steps", str(steps)], 3600)
+                    # The last step is traced: its ring exchanges are replayed alone after it
+                    # (outside step_time_s), which gives the hidden fraction of a training step.
+                    extra = ["--train.steps", str(steps), "--log.trace_steps", str(steps)]
+                    done = _threefold("train", _train_args(seq, *run, log) + extra, 3600)
                     if done.returncode:
                         per[run]["error"] = (done.stderr.strip().splitlines() or ["?"])[-1]
                         continue
                     lines = [json.loads(x) for x in Path(log, "metrics.jsonl").read_text().splitlines()]
                 per[run]["seconds"].append(statistics.median(x["step_time_s"] for x in lines[1:]))
+                if "cp_hidden" in lines[-1]:
+                    per[run].setdefault("hidden", []).append(lines[-1]["cp_hidden"]["mean"])
+                    per[run].setdefault("hidden_own", []).append(lines[-1].get("cp_hidden_own", {}).get("mean"))
         for run in runs:
             with tempfile.TemporaryDirectory() as log:
                 done = _threefold("memory", _train_args(seq, *run, log) + ["--json"], 3600)
@@ -229,12 +238,12 @@ def train_table(rows: list[dict], refused: list) -> list[str]:
     base = {r["seq"]: r for r in rows if r["cp"] == 1}
     out = [
         "| seq | cp | impl | step s (median) | time / cp 1 [95% CI] | analytic min | activations MiB rank 0 "
-        "| / cp 1 | analytic min |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| / cp 1 | analytic min | ring hidden, traced step (per round) | the same, slower peer set aside |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r and not r["seconds"]:
-            out.append(f"| {r['seq']} | {r['cp']} | {r['impl']} | failed: {r['error']} | | | | | |")
+            out.append(f"| {r['seq']} | {r['cp']} | {r['impl']} | failed: {r['error']} | | | | | | | |")
             continue
         b = base[r["seq"]]
         ratio = "1" if r["cp"] == 1 else (show(r["ratio"]) if r["ratio"] else "-")
@@ -242,12 +251,17 @@ def train_table(rows: list[dict], refused: list) -> list[str]:
         rel = show(exact(act / act1)) if act and act1 else "-"
         out.append(
             f"| {r['seq']} | {r['cp']} | {r['impl'] if r['cp'] > 1 else '-'} | {statistics.median(r['seconds']):.3f} "
-            f"| {ratio} | {1 / r['cp']:.3f} | {_mib(act)} | {rel} | {1 / r['cp']:.3f} |"
+            f"| {ratio} | {1 / r['cp']:.3f} | {_mib(act)} | {rel} | {1 / r['cp']:.3f} "
+            f"| {_fractions(r.get('hidden'))} | {_fractions(r.get('hidden_own'))} |"
         )
     for seq in sorted(base):
         for cp, impl, why in refused:
-            out.append(f"| {seq} | {cp} | {impl} | refused: {why} | | | | | |")
+            out.append(f"| {seq} | {cp} | {impl} | refused: {why} | | | | | | | |")
     return out
+
+
+def _fractions(values) -> str:
+    return ", ".join("-" if v is None else f"{v:.2f}" for v in values) if values else "-"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

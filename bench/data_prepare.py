@@ -30,9 +30,6 @@ from pathlib import Path
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from stats import paired_ratio, show  # noqa: E402
-
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from threefold.data.corpus import stdlib_source_files  # noqa: E402
@@ -118,6 +115,11 @@ def main() -> int:
     parser.add_argument("--out", default="")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per worker count (order alternating)")
     args = parser.parse_args()
+    # Imported here, not at the top: prepare's spawned workers re-import this file as their
+    # main module, and stats pulls in torch (3 s per worker here), which is this script's cost,
+    # not the tool's (the `threefold` command's main module imports nothing heavy).
+    from stats import paired_ratio, show
+
     root = Path(args.dir)
     files = make_corpus(root / "corpus", args.mb)
     size = sum(f.stat().st_size for f in files) / 2**20

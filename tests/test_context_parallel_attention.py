@@ -8,6 +8,8 @@ Each world size spawns once (module fixture) and runs every case; the tests asse
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ from threefold.distributed.context_parallel import (
     shard_sequence,
     unshard_sequence,
 )
+from threefold.distributed.context_parallel.overlap import exposed_after_peers
 from threefold.distributed.context_parallel.ring import block_plan
 from threefold.errors import ConfigError
 
@@ -70,9 +73,15 @@ def _attention_worker(cases: list) -> dict:
         mine = [shard_sequence(x, 2, cp, rank).requires_grad_() for x in (q, k, v)]
         timing = RingTiming() if impl == "ring" else None
         group.stats.reset()
+        group.p2p_log = []  # what a traced step's replay would post again
         out = context_parallel_attention(*mine, group, impl, timing=timing)
         forward = group.stats.total_bytes
         (out * shard_sequence(w, 2, cp, rank)).sum().backward()
+        log, group.p2p_log = group.p2p_log, None
+        logged = [sum(math.prod(shape) * dt.itemsize for kind, shape, dt, _ in b.ops if kind == "send") for b in log]
+        stamped = all(b.posted <= b.waited <= b.done for b in log)  # every batch posted, then waited on
+        waited = sum(b.done - b.waited for b in log)
+        own = exposed_after_peers(log, group)
 
         def diff(got, want, dtype=dtype):
             want = shard_sequence(want.float(), 2, cp, rank)
@@ -88,6 +97,9 @@ def _attention_worker(cases: list) -> dict:
                 "case": (impl, heads, kv_heads, dtype),
                 "diffs": diffs,
                 "bytes": (forward, group.stats.total_bytes - forward),
+                "logged": logged,
+                "stamped": stamped,
+                "own_within_waits": 0 <= own <= waited,
                 "timing": None if timing is None else (timing.compute_s, timing.wait_s, timing.transfers),
             }
         )
@@ -151,6 +163,10 @@ def test_bytes_equal_analytic(spawned):
         expected = analytic_bytes(impl, BATCH, heads, kv_heads, SEQ, HD, cp, 2 if dtype == "bf16" else 4)
         for r in _case(ranks, n):
             assert r["bytes"] == (expected.forward, expected.backward), (impl, heads, kv_heads, r["bytes"])
+            # The p2p log that traced steps replay holds the ring's exchanges, every byte of them.
+            assert sum(r["logged"]) == (expected.total if impl == "ring" else 0)
+            assert len(r["logged"]) == (3 * cp - 2 if impl == "ring" else 0)
+            assert r["stamped"] and r["own_within_waits"]
 
 
 def test_ring_records_compute_and_waits(spawned):

@@ -38,6 +38,8 @@ from threefold.errors import ConfigError, DataError, UserError
 
 END_OF_TEXT = "<|endoftext|>"
 PREFIX = "tokens"  # DIR/tokens.bin, DIR/tokens.idx, DIR/tokens.json
+MIN_SHARDS = 16  # a corpus is cut finer than --shard-mb down to this many shards...
+MIN_SHARD_BYTES = 1 << 20  # ...but not below 1 MiB each
 
 
 def train_bpe(texts, vocab: int):
@@ -86,7 +88,14 @@ def _plan(path: str, fmt: str, key: str, shard_bytes: int):
         raise ConfigError("data.path", f"{path} is already tokenized", "JSONL, Parquet, text files or a dataset dir")
     root = Path(path)
     fmt = detect_format(root, fmt) if root.exists() else fmt
-    return fmt, plan_shards(root, fmt, key, shard_bytes), str(root)
+    shards = plan_shards(root, fmt, key, shard_bytes)
+    # A small corpus cut at --shard-mb gives a few shards of unequal size, and the workers
+    # finish at the largest one's pace; at least MIN_SHARDS keeps the tail short. The plan
+    # depends on the corpus only, never on --workers, so a resume with other workers still matches.
+    finer = max(MIN_SHARD_BYTES, sum(s.size for s in shards) // MIN_SHARDS)
+    if len(shards) < MIN_SHARDS and finer < shard_bytes:
+        shards = plan_shards(root, fmt, key, finer)
+    return fmt, shards, str(root)
 
 
 def _work_key(shards, key: str, tok_spec: str) -> str:
@@ -265,7 +274,7 @@ def data_command(argv: list[str]) -> int:
     prep.add_argument("--sample-mb", type=float, default=256.0, help="MB of text the BPE tokenizer trains on")
     prep.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
     prep.add_argument("--max-bad", type=int, default=1000, help="bad records tolerated before exit 2")
-    prep.add_argument("--shard-mb", type=float, default=32.0, help="input MB per shard (unit of work and resume)")
+    prep.add_argument("--shard-mb", type=float, default=32.0, help="input MB per shard, at most (unit of work, resume)")
     args = parser.parse_args(argv)
     meta = prepare(
         args.path,

@@ -8,6 +8,7 @@ leaves either a finished shard or nothing that a resumed run would trust.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import itertools
 import json
 import os
@@ -60,8 +61,11 @@ def tokenize_shard(job: tuple[int, dict, str, str, int, str]) -> dict:
     first_bad: dict[str, str] = {}
     stats = {"documents": 0, "tokens": 0, "max_id": int(eod)}
 
-    def flush(texts: list[str], wheres: list[str]) -> None:
-        docs = _encode(texts, wheres, bad, first_bad)
+    def write(encoded) -> None:
+        docs, unreadable = encoded.result()
+        for where in unreadable:
+            bad["utf8"] = bad.get("utf8", 0) + 1
+            first_bad.setdefault("utf8", f"record {where} of the shard")
         for ids in docs:
             ids.append(eod)
         # One array per batch, not per document: the per-document numpy overhead would cost
@@ -73,22 +77,20 @@ def tokenize_shard(job: tuple[int, dict, str, str, int, str]) -> dict:
             stats["documents"] += len(docs)
             stats["tokens"] += len(flat)
             stats["max_id"] = max(stats["max_id"], int(flat.max()))
-        texts.clear()
-        wheres.clear()
 
+    # Two stages: one thread encodes batch k+1 (the tokenizer releases the GIL) while this one
+    # parses the JSON of the batch after it and writes batch k, so reading and writing cost no
+    # time beside the tokenizer's. The batches are written in order.
     try:
-        texts: list[str] = []
-        wheres: list[str] = []
-        for n, rec in enumerate(records(shard, key)):
-            if isinstance(rec, Bad):
-                bad[rec.kind] = bad.get(rec.kind, 0) + 1
-                first_bad.setdefault(rec.kind, rec.where)
-                continue
-            texts.append(rec)
-            wheres.append(str(n))
-            if len(texts) >= _DOCS_PER_BATCH:
-                flush(texts, wheres)
-        flush(texts, wheres)
+        with cf.ThreadPoolExecutor(1, thread_name_prefix="threefold-encode") as encoder:
+            pending = None
+            for texts, wheres in _batches(records(shard, key), bad, first_bad):
+                encoded = encoder.submit(_encode, texts, wheres)
+                if pending is not None:
+                    write(pending)
+                pending = encoded
+            if pending is not None:
+                write(pending)
         writer.close()
     except BaseException:
         writer.abort()
@@ -101,20 +103,38 @@ def tokenize_shard(job: tuple[int, dict, str, str, int, str]) -> dict:
     return meta
 
 
-def _encode(texts: list[str], wheres: list[str], bad: dict, first_bad: dict) -> list[list[int]]:
+def _batches(recs, bad: dict, first_bad: dict):
+    """(texts, record numbers) of _DOCS_PER_BATCH good records at a time; bad ones counted."""
+    texts: list[str] = []
+    wheres: list[str] = []
+    for n, rec in enumerate(recs):
+        if isinstance(rec, Bad):
+            bad[rec.kind] = bad.get(rec.kind, 0) + 1
+            first_bad.setdefault(rec.kind, rec.where)
+            continue
+        texts.append(rec)
+        wheres.append(str(n))
+        if len(texts) >= _DOCS_PER_BATCH:
+            yield texts, wheres
+            texts, wheres = [], []
+    if texts:
+        yield texts, wheres
+
+
+def _encode(texts: list[str], wheres: list[str]) -> tuple[list[list[int]], list[str]]:
+    """(ids of every readable document, record numbers of the unreadable ones)."""
     try:
-        return [e.ids for e in _TOKENIZER.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in _TOKENIZER.encode_batch(texts, add_special_tokens=False)], []
     except Exception:
         # A str that is not valid Unicode (a lone surrogate from a JSON "\ud800" escape) fails
         # the whole batch; find it document by document and count it as non-UTF-8.
-        out = []
+        out, unreadable = [], []
         for text, where in zip(texts, wheres):
             try:
                 out.append(_TOKENIZER.encode(text, add_special_tokens=False).ids)
             except Exception:
-                bad["utf8"] = bad.get("utf8", 0) + 1
-                first_bad.setdefault("utf8", f"record {where} of the shard")
-        return out
+                unreadable.append(where)
+        return out, unreadable
 
 
 def merge_shards(work: Path, count: int, prefix: Path) -> tuple[int, int]:

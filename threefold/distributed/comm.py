@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -84,6 +85,9 @@ class Group:
     """Where tensors must live to enter this group's collectives (None: unchecked)."""
     span_category: str = field(default="sync", compare=False)
     """The span category this group's collectives count as (tp_comm, ep_a2a, ...)."""
+    p2p_log: list | None = field(default=None, compare=False, repr=False)
+    """While a list (the observer sets one on traced steps): a P2PBatch for every batch that
+    batch_send_recv posts, so the same traffic can be timed alone (context_parallel.overlap)."""
 
     @property
     def size(self) -> int:
@@ -258,16 +262,53 @@ def barrier(group: Group) -> None:
 # --- point to point ----------------------------------------------------------------------------
 
 
-def batch_send_recv(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list:
+@dataclass
+class P2PBatch:
+    """One logged batch of point-to-point operations (Group.p2p_log) and when, on this host's
+    clock, it was posted and waited on (wait_all: from its start to its end)."""
+
+    ops: tuple[tuple[str, tuple[int, ...], torch.dtype, int], ...]
+    """(kind, shape, dtype, peer index in the group) of each operation."""
+    posted: float
+    waited: float | None = None
+    done: float | None = None
+
+
+class Posted(list):
+    """The work handles of one batch_send_recv, with its P2PBatch when the group logs."""
+
+    entry: P2PBatch | None = None
+
+
+def batch_send_recv(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> Posted:
     """Post ("send" | "recv", tensor, peer index in the group) operations together; returns the
     work handles (gloo: one per operation; NCCL: one for the whole batch)."""
+    entry = None
+    if group.p2p_log is not None:
+        shapes = tuple((kind, tuple(t.shape), t.dtype, peer) for kind, t, peer in ops)
+        entry = P2PBatch(shapes, time.perf_counter())
+        group.p2p_log.append(entry)
     p2p = []
     for kind, tensor, peer in ops:
         _check(tensor, group, kind)
         if kind == "send":
             group.stats.record("send", nbytes(tensor))
         p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, group.ranks[peer], group=group.pg))
-    return dist.batch_isend_irecv(p2p) if p2p else []
+    posted = Posted(dist.batch_isend_irecv(p2p) if p2p else [])
+    posted.entry = entry
+    return posted
+
+
+def wait_all(works: list, group: Group) -> None:
+    """Wait for every handle of one batch_send_recv (timed like wait); a logged batch records
+    when its wait started and ended."""
+    entry = getattr(works, "entry", None)
+    if entry is not None:
+        entry.waited = time.perf_counter()
+    for work in works:
+        wait(work, group)
+    if entry is not None:
+        entry.done = time.perf_counter()
 
 
 def send(x: torch.Tensor, group: Group, peer: int) -> None:

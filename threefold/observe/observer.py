@@ -18,14 +18,16 @@ bytes there, rarely; O(1) on every other rank), which writes their mean and max 
 spans.jsonl (`steps`: how many steps the line averages). The observer's own gathers fall between
 two steps and are counted in neither. On the steps in log.trace_steps the ranks' spans go to the
 logging rank (one gather of Python objects) and into trace.json, and the blocking cost of the
-step's data-parallel collectives is measured by replaying them (`dp_comm_serial_s`), outside the
-timed step.
+step's data-parallel collectives is measured by replaying them (`dp_comm_serial_s`), and so is
+that of the context-parallel ring's exchanges (`cp_comm_serial_s`, with `cp_hidden`: the fraction
+of it that the step did not wait for), outside the timed step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +42,9 @@ GROUPS = ("tp", "cp", "pp", "dp", "ep", "edp", "expert_dp", "embed", "world")
 "dp" is where dense gradients are reduced: the dp group, or dp x cp under context parallelism."""
 
 _UNTIMED = contextlib.nullcontext()
+_HEAD = 5
+"""A rank's summed row opens with wall, dp replay, cp replay, the traced step's cp wait and that
+wait once the peers had posted, then the categories' seconds, then each group's bytes and calls."""
 
 
 class _Phase:
@@ -131,7 +136,11 @@ class StepObserver:
             return
         self._step = step + 1
         self._counts0 = self._counts()
-        self.recorder.begin_step(trace=self._step in self.trace_steps)
+        tracing = self._step in self.trace_steps
+        self.recorder.begin_step(trace=tracing)
+        cp = getattr(self.grid, "cp", None)
+        if cp is not None and cp.size > 1:  # the ring's exchanges, replayed alone after the step
+            cp.p2p_log = [] if tracing else None
 
     def end_step(self, engine=None, report: bool = True) -> dict:
         """Close the step: its seconds and comm counts join this rank's running sums (host
@@ -145,24 +154,43 @@ class StepObserver:
         # report step: the sums then cover the same steps as the counts.
         timelines = self.recorder.end_step_late(flush=report or tracing)
         serial = engine.time_serial_comm(repeats=1) if tracing and engine is not None else 0.0
+        cp_serial, cp_own = self._replay_cp() if tracing else (0.0, -1.0)
         counts = [now - then for now, then in zip(self._counts(), self._counts0)]  # bytes..., calls...
-        mine = [0.0, serial, *([0.0] * len(CATEGORIES)), *counts]
+        mine = [0.0, serial, cp_serial, 0.0, cp_own, *([0.0] * len(CATEGORIES)), *counts]
         for timeline in timelines:
             mine[0] += timeline.wall_s
             for i, c in enumerate(CATEGORIES):
-                mine[2 + i] += timeline.seconds[c]
+                mine[_HEAD + i] += timeline.seconds[c]
         self._sums = mine if self._sums is None else [a + b for a, b in zip(self._sums, mine)]
         self._steps_summed += 1
         if not (report or tracing):
             return {}
         n, means = self._steps_summed, torch.tensor(self._sums, dtype=torch.float64) / self._steps_summed
-        means[1] = serial  # the replay is measured on this (traced) step only: not a mean
+        # The replays are measured on this (traced) step only, not means; so is the exposed cp
+        # wait they are compared with.
+        means[1], means[2], means[4] = serial, cp_serial, cp_own
+        means[3] = timelines[-1].seconds["cp_comm"] if tracing else 0.0
         self._sums, self._steps_summed = None, 0
         rows = comm.gather_dim0(means.view(1, -1).to(self.device), self.grid.world)
         per_rank = self._gather_events(timelines[-1].events) if tracing else None
         if not self.is_logger:
             return {}
         return self._write(rows.cpu(), per_rank, n)
+
+    def _replay_cp(self) -> tuple[float, float]:
+        """(seconds the traced step's cp exchanges, the ring's KV and gradient blocks, take
+        alone; seconds this rank waited on them once their peers had posted, -1 where host
+        clocks cannot say: CUDA, or ranks on several hosts). Zeros without exchanges.
+        Collective over the cp group, outside the timed step."""
+        from threefold.distributed.context_parallel.overlap import exposed_after_peers, replay_p2p
+
+        cp = getattr(self.grid, "cp", None)
+        if cp is None or cp.p2p_log is None:
+            return 0.0, -1.0
+        log, cp.p2p_log = cp.p2p_log, None
+        one_host = os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1")
+        own = exposed_after_peers(log, cp) if self.device.type == "cpu" and one_host else -1.0
+        return replay_p2p(log, cp), own
 
     def _counts(self) -> list[int]:
         """Bytes, then calls, recorded so far on each of GROUPS (0 for a group this rank lacks)."""
@@ -174,8 +202,9 @@ class StepObserver:
 
     def _write(self, rows: torch.Tensor, per_rank: list | None, steps: int) -> dict:
         n, g = len(CATEGORIES), len(GROUPS)
-        wall, serial = rows[:, 0], rows[:, 1]
-        seconds, nbytes, calls = rows[:, 2 : 2 + n], rows[:, 2 + n : 2 + n + g], rows[:, 2 + n + g :]
+        wall, serial, cp_serial, cp_exposed, cp_own = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4]
+        h = _HEAD
+        seconds, nbytes, calls = rows[:, h : h + n], rows[:, h + n : h + n + g], rows[:, h + n + g :]
         if self._detail is None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._detail = open(self.log_dir / "spans.jsonl", "a", encoding="utf-8")
@@ -211,6 +240,15 @@ class StepObserver:
         }
         if per_rank is not None:
             fields["dp_comm_serial_s"] = float(serial.max())
+        if per_rank is not None and float(cp_serial.min()) > 0:
+            # Each rank's exposed wait against its own replay; the wait also holds any time spent
+            # on a slower cp peer, so the fraction is a lower bound of what the overlap hid.
+            hidden = (1 - cp_exposed / cp_serial).clamp(0.0, 1.0)
+            fields["cp_comm_serial_s"] = float(cp_serial.max())
+            fields["cp_hidden"] = {"mean": float(hidden.mean()), "min": float(hidden.min())}
+            if float(cp_own.min()) >= 0:  # the same without the waits for a slower peer
+                own = (1 - cp_own / cp_serial).clamp(0.0, 1.0)
+                fields["cp_hidden_own"] = {"mean": float(own.mean()), "min": float(own.min())}
         if self.bands is not None:
             self._check_bands(fields, ranks, steps)
         return fields

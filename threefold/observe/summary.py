@@ -124,6 +124,9 @@ def summarize(run: Run) -> dict:
         "bubble_theory": run.metrics[-1].get("pp_bubble_theory") if p.get("pp", 1) > 1 else None,
         "comm_bytes": {},
         "dp_comm_serial_s": _mean([r.get("dp_comm_serial_s") for r in run.metrics]),
+        "cp_comm_serial_s": _mean([r.get("cp_comm_serial_s") for r in run.metrics]),
+        "cp_hidden": _mean([r.get("cp_hidden", {}).get("mean") for r in run.metrics]),
+        "cp_hidden_own": _mean([r.get("cp_hidden_own", {}).get("mean") for r in run.metrics]),
         "per_rank": per_rank(run),
         "notes": list(run.notes),
         "zero": p.get("zero", 0) if p.get("dp", 1) > 1 else 0,
@@ -222,6 +225,13 @@ def format_summary(s: dict) -> str:
                 f"  dp gradient communication: {_ms(s['dp_comm_serial_s'])} if run blocking, "
                 f"{_ms(b['dp_exposed'])} exposed ({_pct(max(0.0, hidden))} hidden; exposed includes "
                 "waiting for a slower dp peer)"
+            )
+        if s.get("cp_hidden") is not None:
+            own = s.get("cp_hidden_own")
+            lines.append(
+                f"  cp ring exchanges: {_ms(s['cp_comm_serial_s'])} if run alone, "
+                f"{_pct(s['cp_hidden'])} of it hidden behind attention (traced steps, mean over ranks"
+                + (f"; {_pct(own)} once waits for a slower cp peer are set aside)" if own is not None else ")")
             )
     if s["comm_bytes"]:
         lines.append(

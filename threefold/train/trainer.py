@@ -250,7 +250,9 @@ class Trainer(TrainingLoop):
         queued and the host may go on (the next step's micro-batches, its forward) before
         read_step waits for the scalars."""
         t, grid, engine, phase = self.cfg.train, self.grid, self.engine, self.observer.phase
-        t0 = time.perf_counter()
+        # The step began when it started waiting for its batches (the loop's prefetcher), so
+        # step_time_s, tokens/s and MFU count a data-starved step's wait, as a wall clock would.
+        t0 = time.perf_counter() - data_wait_s
         tp_bytes0 = grid.tp.stats.total_bytes
         if batches is None:
             with phase("data_wait"):

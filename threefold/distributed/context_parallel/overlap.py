@@ -1,7 +1,10 @@
 """How much of the ring's KV traffic hides behind attention, measured: the ring's forward and
-backward with a RingTiming (compute vs waiting), against the same transfers issued alone and
-waited on at once. hidden = 1 - waited / alone: 1 when every transfer finished under its block's
-attention, 0 when the ring waited as long as the transfers take by themselves.
+backward with a RingTiming (compute vs waiting), against the same transfers replayed alone
+(replay_p2p of the exchanges the ring posted, each waited on at once).
+hidden = 1 - waited / alone: 1 when every transfer finished under its block's attention, 0 when
+the ring waited as long as the transfers take by themselves. Training's traced steps measure the
+same way (observe/observer.py: cp_comm_serial_s, cp_hidden), and on one host also without the
+waits for a slower peer (exposed_after_peers: cp_hidden_own).
 
 For benchmarks and traced steps, not the training path: it runs the ring `repeats` times and
 leaves group.stats as it found them (the measurement is not the run's traffic).
@@ -16,7 +19,12 @@ import torch
 
 from threefold.distributed import comm
 from threefold.distributed.comm import Group
-from threefold.distributed.context_parallel.ring import RingTiming, _exchange, ring_attention
+from threefold.distributed.context_parallel.ring import RingTiming, ring_attention
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -36,24 +44,62 @@ class Overlap:
         return 0.0 if self.alone_s <= 0 else min(1.0, max(0.0, 1.0 - self.wait_s / self.alone_s))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def replay_p2p(batches: list, group: Group) -> float:
+    """Seconds the logged batches (comm.P2PBatch from Group.p2p_log) take posted again one by
+    one on scratch buffers, each waited on at once: the same traffic with nothing to hide
+    behind, the cost an overlapped exchange has to hide. Collective over the group, and every
+    member must replay the log its peers recorded (true of the ring, whose ranks post the same
+    sequence). A measurement, not traffic: group.stats are left as they were."""
+    if group.size == 1 or not batches:
+        return 0.0
+    device = group.device or torch.device("cpu")
+    scratch = {}  # one buffer per (kind, shape, dtype): a batch's sends and receives never alias
+    for batch in batches:
+        for kind, shape, dtype, _ in batch.ops:
+            if (kind, shape, dtype) not in scratch:
+                scratch[kind, shape, dtype] = torch.zeros(shape, dtype=dtype, device=device)
+    saved = group.stats, group.spans, group.p2p_log
+    group.stats, group.spans, group.p2p_log = comm.CommStats(), None, None
+    try:
+        comm.barrier(group)
+        _sync(device)
+        start = time.perf_counter()
+        for batch in batches:
+            ops = [(kind, scratch[kind, shape, dtype], peer) for kind, shape, dtype, peer in batch.ops]
+            for work in comm.batch_send_recv(ops, group):
+                work.wait()
+        _sync(device)
+        return time.perf_counter() - start
+    finally:
+        group.stats, group.spans, group.p2p_log = saved
 
 
-def _transfers_alone(k: torch.Tensor, v: torch.Tensor, group: Group) -> float:
-    """Seconds for the ring's exchanges of one forward+backward, each waited on at once."""
-    kv = torch.stack([k, v])
-    grads = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    n = group.size
-    _sync(kv.device)
-    start = time.perf_counter()
-    for x in [kv] * (2 * (n - 1)) + [grads] * n:  # kv blocks forward and backward, gradient trips
-        _, works = _exchange(x, group)
-        for work in works:
-            comm.wait(work, group)
-    _sync(kv.device)
-    return time.perf_counter() - start
+def exposed_after_peers(batches: list, group: Group) -> float:
+    """Seconds this rank waited on the logged batches once both ends had posted: each wait
+    counted from the later of its start and the moment the last of the batch's peers posted
+    the matching batch, so time spent on a slower peer is left out. Collective over the group
+    (one all-gather of the post times, left out of group.stats); host clocks, so meaningful
+    where every member shares one (CPU ranks on one host; on CUDA the host posts ahead of the
+    device)."""
+    if group.size == 1 or not batches:
+        return 0.0
+    device = group.device or torch.device("cpu")
+    mine = torch.tensor([b.posted for b in batches], dtype=torch.float64, device=device)
+    posted = torch.empty(group.size * len(batches), dtype=torch.float64, device=device)
+    saved = group.stats, group.spans  # a measurement, not the run's traffic
+    group.stats, group.spans = comm.CommStats(), None
+    try:
+        comm.all_gather_into(posted, mine, group)
+    finally:
+        group.stats, group.spans = saved
+    posted = posted.view(group.size, len(batches)).tolist()
+    exposed = 0.0
+    for k, batch in enumerate(batches):
+        if batch.waited is None:
+            continue
+        ready = max([batch.posted] + [posted[peer][k] for *_, peer in batch.ops])
+        exposed += max(0.0, batch.done - max(batch.waited, ready))
+    return exposed
 
 
 def measure_overlap(q, k, v, group: Group, repeats: int = 3) -> Overlap:
@@ -65,9 +111,10 @@ def measure_overlap(q, k, v, group: Group, repeats: int = 3) -> Overlap:
     for rep in range(repeats + 1):
         t = RingTiming() if rep == 0 else timing
         comm.barrier(group)  # every rank starts each measurement together
+        group.p2p_log = []
         ring_attention(q, k, v, group, t).sum().backward()
-        comm.barrier(group)
-        took = _transfers_alone(k, v, group)
+        log, group.p2p_log = group.p2p_log, None
+        took = replay_p2p(log, group)  # the same exchanges alone (it starts with a barrier)
         alone += took if rep else 0.0
     group.stats.calls, group.stats.bytes = calls, sent
     return Overlap(timing.compute_s / repeats, timing.wait_s / repeats, alone / repeats)

@@ -149,8 +149,7 @@ def _exchange(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, list]:
 
 
 def _wait(works: list, group: Group, clock: _Clock) -> None:
-    for work in works:
-        comm.wait(work, group)
+    comm.wait_all(works, group)
     if clock.timing is not None:
         clock.timing.transfers += 1
     clock.lap("wait_s")
