@@ -228,10 +228,13 @@ def attention_table(rows: list[dict], refused: list) -> list[str]:
             f"| {ratio} | {1 / r['cp']:.3f} | {_mib(r['peak'])} | {show(exact(r['peak'] / b['peak']))} "
             f"| {_mib(r['saved'])} | {sent} | {hidden} |"
         )
-    for seq in sorted(base):
-        for cp, impl, why in refused:
-            out.append(f"| {seq} | {cp} | {impl} | refused: {why} | | | | | | | |")
-    return out
+    return out + _refused_rows(base, refused, 11)
+
+
+def _refused_rows(base: dict, refused: list, columns: int) -> list[str]:
+    """A table's rows for the refused configurations, at every sequence length measured."""
+    pad = " |" * (columns - 4)
+    return [f"| {seq} | {cp} | {impl} | refused: {why} |{pad}" for seq in sorted(base) for cp, impl, why in refused]
 
 
 def train_table(rows: list[dict], refused: list) -> list[str]:
@@ -254,10 +257,7 @@ def train_table(rows: list[dict], refused: list) -> list[str]:
             f"| {ratio} | {1 / r['cp']:.3f} | {_mib(act)} | {rel} | {1 / r['cp']:.3f} "
             f"| {_fractions(r.get('hidden'))} | {_fractions(r.get('hidden_own'))} |"
         )
-    for seq in sorted(base):
-        for cp, impl, why in refused:
-            out.append(f"| {seq} | {cp} | {impl} | refused: {why} | | | | | | | |")
-    return out
+    return out + _refused_rows(base, refused, 11)
 
 
 def _fractions(values) -> str:

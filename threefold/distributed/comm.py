@@ -98,6 +98,18 @@ class Group:
         return self.ranks.index(dist.get_rank()) if self.pg is not None else 0
 
 
+@contextlib.contextmanager
+def unrecorded(group: Group):
+    """Communication on `group` that measures rather than trains (a replay, a probe): left out of
+    group.stats, its spans and its p2p log, which are as they were afterwards."""
+    saved = group.stats, group.spans, group.p2p_log
+    group.stats, group.spans, group.p2p_log = CommStats(), None, None
+    try:
+        yield
+    finally:
+        group.stats, group.spans, group.p2p_log = saved
+
+
 def nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 

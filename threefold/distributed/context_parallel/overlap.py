@@ -58,9 +58,7 @@ def replay_p2p(batches: list, group: Group) -> float:
         for kind, shape, dtype, _ in batch.ops:
             if (kind, shape, dtype) not in scratch:
                 scratch[kind, shape, dtype] = torch.zeros(shape, dtype=dtype, device=device)
-    saved = group.stats, group.spans, group.p2p_log
-    group.stats, group.spans, group.p2p_log = comm.CommStats(), None, None
-    try:
+    with comm.unrecorded(group):
         comm.barrier(group)
         _sync(device)
         start = time.perf_counter()
@@ -70,8 +68,6 @@ def replay_p2p(batches: list, group: Group) -> float:
                 work.wait()
         _sync(device)
         return time.perf_counter() - start
-    finally:
-        group.stats, group.spans, group.p2p_log = saved
 
 
 def exposed_after_peers(batches: list, group: Group) -> float:
@@ -86,12 +82,8 @@ def exposed_after_peers(batches: list, group: Group) -> float:
     device = group.device or torch.device("cpu")
     mine = torch.tensor([b.posted for b in batches], dtype=torch.float64, device=device)
     posted = torch.empty(group.size * len(batches), dtype=torch.float64, device=device)
-    saved = group.stats, group.spans  # a measurement, not the run's traffic
-    group.stats, group.spans = comm.CommStats(), None
-    try:
+    with comm.unrecorded(group):  # a measurement, not the run's traffic
         comm.all_gather_into(posted, mine, group)
-    finally:
-        group.stats, group.spans = saved
     posted = posted.view(group.size, len(batches)).tolist()
     exposed = 0.0
     for k, batch in enumerate(batches):
@@ -105,16 +97,15 @@ def exposed_after_peers(batches: list, group: Group) -> float:
 def measure_overlap(q, k, v, group: Group, repeats: int = 3) -> Overlap:
     """Ring forward+backward on (q, k, v) `repeats` times (after one warm-up of each kind):
     its compute and exposed wait against the same transfers alone. Collective over the group."""
-    calls, sent = dict(group.stats.calls), dict(group.stats.bytes)
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     timing, alone = RingTiming(), 0.0
-    for rep in range(repeats + 1):
-        t = RingTiming() if rep == 0 else timing
-        comm.barrier(group)  # every rank starts each measurement together
-        group.p2p_log = []
-        ring_attention(q, k, v, group, t).sum().backward()
-        log, group.p2p_log = group.p2p_log, None
-        took = replay_p2p(log, group)  # the same exchanges alone (it starts with a barrier)
-        alone += took if rep else 0.0
-    group.stats.calls, group.stats.bytes = calls, sent
+    with comm.unrecorded(group):
+        for rep in range(repeats + 1):
+            t = RingTiming() if rep == 0 else timing
+            comm.barrier(group)  # every rank starts each measurement together
+            group.p2p_log = []
+            ring_attention(q, k, v, group, t).sum().backward()
+            log, group.p2p_log = group.p2p_log, None
+            took = replay_p2p(log, group)  # the same exchanges alone (it starts with a barrier)
+            alone += took if rep else 0.0
     return Overlap(timing.compute_s / repeats, timing.wait_s / repeats, alone / repeats)

@@ -270,8 +270,7 @@ class GradBuckets:
         times = []
         scratch = [torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device) for b in self.layout.buckets]
         outs = [torch.empty(b.shard_numel, dtype=self.grad_dtype, device=self.device) for b in self.layout.buckets]
-        stats, self.group.stats = self.group.stats, comm.CommStats()  # a measurement, not the step's traffic
-        try:
+        with comm.unrecorded(self.group):  # a measurement, not the step's traffic
             for _ in range(repeats):
                 comm.barrier(self.group)
                 t0 = time.perf_counter()
@@ -283,8 +282,6 @@ class GradBuckets:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 times.append(time.perf_counter() - t0)
-        finally:
-            self.group.stats = stats
         return statistics.median(times)
 
     def exposed_after_slowest(self) -> float:
