@@ -10,9 +10,10 @@ the same process group (order alternating between rounds), each run's median tok
 steps after `--warmup`; after / before is the median per-round ratio with its 95% bootstrap
 interval (bench/stats.py). Spans are off in the timed runs.
 
-pp 4 needs four cores to show its bubble as lost time: on fewer, a rank waiting in the bubble
-leaves its core to the others, the planner predicts no gain from more micro-batches and the report
-says so; "pp2 m2" is the same pathology at a size two cores can show.
+pp 4 on fewer than four cores loses to its bubble only what leaves a core idle: a rank waiting in
+the bubble gives its core to the others. At 4 micro-batches the two cores are already busy, the
+planner predicts nothing from more and the report says so ("pp4 m4"); at 1 or 2 they are not
+("pp4 m1", "pp4 m2"), and "pp2 m2" is the same pathology with a core per rank.
 
 The slowed data source is the sampler sleeping `--data-sleep` seconds per step, patched into the
 single process that trains (world 1, so no spawned process misses the patch).
@@ -36,15 +37,24 @@ from stats import paired_ratio, show  # noqa: E402
 from harness import run_training, run_training_many  # noqa: E402
 
 TINY = {"model.preset": "tiny", "train.warmup_steps": 2, "train.lr": 5e-4}
-# A wider model makes the gradient reduction large against the step (as tests/test_report.py does).
-WIDE = {"model.hidden": 256, "model.ffn_hidden": 704}
+# Many small parameters on a short step: one bucket per parameter makes ~170 reductions of a few
+# KiB, each paying a collective's fixed cost.
+NARROW_DEEP = {
+    "model.layers": 24,
+    "model.hidden": 64,
+    "model.ffn_hidden": 176,
+    "model.seq_len": 32,
+    "train.micro_batch": 4,
+}
 # One bucket only costs what it fails to overlap: the reduction after backward. Wider still, on
 # short sequences, the gradients (84 MB) are large against the step's compute.
 HEAVY = {"model.hidden": 512, "model.ffn_hidden": 1408, "model.seq_len": 16}
 PATHOLOGIES = {
+    "pp4 m1": {"parallel.pp": 4, "train.global_batch": 16, "train.micro_batch": 16},
+    "pp4 m2": {"parallel.pp": 4, "train.global_batch": 16, "train.micro_batch": 8},
     "pp4 m4": {"parallel.pp": 4, "train.global_batch": 16, "train.micro_batch": 4},
     "pp2 m2": {"parallel.pp": 2, "train.global_batch": 16, "train.micro_batch": 8},
-    "dp2 tiny buckets": {**WIDE, "parallel.dp": 2, "parallel.bucket_mb": 0.002, "train.global_batch": 16},
+    "dp2 tiny buckets": {**NARROW_DEEP, "parallel.dp": 2, "parallel.bucket_mb": 0.002, "train.global_batch": 8},
     "dp2 one bucket": {
         **HEAVY,
         "parallel.dp": 2,
@@ -61,6 +71,8 @@ SLOW_DATA = "prefetch 0, slow data"
 # table says where), since on this host another cost may outweigh it (the optimizer's AdamW on
 # one core outweighs a 46 MiB reduction).
 COST = {
+    "pp4 m1": "pp_bubble",
+    "pp4 m2": "pp_bubble",
     "pp4 m4": "pp_bubble",
     "pp2 m2": "pp_bubble",
     "dp2 tiny buckets": "dp_exposed",
@@ -114,7 +126,10 @@ def prescription(path: Path, cost: str):
 def measure(name: str, over: dict, args, root: Path, cache: str) -> dict:
     base = {**TINY, **over, "train.steps": args.steps}
     world = world_of(over)
-    train({"diagnosed": {**base, "log.spans": "true", "log.interval": 1}}, root / name, cache, world)
+    # The last two steps traced: their collectives are also replayed alone (dp_comm_serial_s).
+    traced = f"{args.steps - 1},{args.steps}"
+    diagnosed = {**base, "log.spans": "true", "log.interval": 1, "log.trace_steps": traced}
+    train({"diagnosed": diagnosed}, root / name, cache, world)
     finding, knob, place = prescription(root / name / "diagnosed", COST[name])
     out = {"pathology": name, "finding": finding.text() if finding else None, "knob": None, "place": place}
     if knob is None:

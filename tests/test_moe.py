@@ -197,7 +197,8 @@ def test_cli_refuses_ep_without_experts_in_one_line():
 
 # --- training, in the loop --------------------------------------------------------------------
 
-STEPS = 20
+STEPS = 12  # the parity standard of the issues (>= 12 calm steps)
+INTERVAL = 6  # log.interval and checkpoint.interval
 MODEL = {
     "model.num_experts": 4,
     "model.top_k": 2,
@@ -209,6 +210,7 @@ MODEL = {
     "train.steps": STEPS,
     "train.seed": 0,
     "train.lr": CALM_LR,
+    "log.interval": INTERVAL,
 }
 
 
@@ -227,9 +229,10 @@ def test_single_process_moe_reports_expert_load(ep1_run, capacity_run):
     assert last["loss"] < ep1_run[0]["loss"]
     tokens = MODEL["train.global_batch"] * MODEL["model.seq_len"] * MODEL["model.top_k"]
     assert set(last["moe_expert_tokens"]) == {"0", "1", "2", "3"}
-    # Counts of the steps since the last report step (log.interval 10: steps 11-20).
-    assert last["moe_steps"] == 10 and all(sum(c) == tokens * 10 for c in last["moe_expert_tokens"].values())
-    assert all("moe_expert_tokens" not in r for r in ep1_run[:9])  # no per-step gather
+    # Counts of the steps since the last report step (log.interval 6: steps 7-12).
+    assert last["moe_steps"] == INTERVAL
+    assert all(sum(c) == tokens * INTERVAL for c in last["moe_expert_tokens"].values())
+    assert all("moe_expert_tokens" not in r for r in ep1_run[: INTERVAL - 1])  # no per-step gather
     assert last["moe_dropped_tokens"] == 0 and 0.5 < last["moe_aux_loss"] < 2
     assert any(r.get("moe_dropped_tokens", 0) > 0 for r in capacity_run)
 
@@ -244,7 +247,7 @@ def ep_runs(tmp_path_factory, cache_dir):
             "parallel.dp": 2,
             "parallel.ep": 2,
             "checkpoint.dir": root / "ckpt",
-            "checkpoint.interval": 10,
+            "checkpoint.interval": INTERVAL,
         },
         "pp2_dp2_ep2_recompute": {"parallel.pp": 2, "parallel.dp": 2, "parallel.ep": 2, "train.recompute": "full"},
         "dp4_ep2_zero2": {"parallel.dp": 4, "parallel.ep": 2, "parallel.zero": 2},
@@ -275,15 +278,15 @@ def test_capacity_dropping_is_layout_invariant(ep_runs, capacity_run):
 
 
 def test_expert_checkpoint_loads_into_other_expert_layouts(ep_runs, ep1_run, tmp_path, cache_dir):
-    """Saved at step 10 by tp2 x dp2 x ep2; resumed by dp4 x ep4 with ZeRO 1, and by one process."""
-    step10 = ep_runs[1] / "step_00000010"
+    """Saved at step 6 by tp2 x dp2 x ep2; resumed by dp4 x ep4 with ZeRO 1, and by one process."""
+    saved = ep_runs[1] / f"step_{INTERVAL:08d}"
     resumed = run_training_many(
-        {"ep4": {**MODEL, "parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 1, "checkpoint.resume": step10}},
+        {"ep4": {**MODEL, "parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 1, "checkpoint.resume": saved}},
         tmp_path,
         cache_dir,
         world=4,
     )["ep4"]
-    single = run_training({**MODEL, "checkpoint.resume": step10}, tmp_path / "single", cache_dir)
+    single = run_training({**MODEL, "checkpoint.resume": saved}, tmp_path / "single", cache_dir)
     for run in (resumed, single):
-        assert [r["step"] for r in run] == list(range(11, STEPS + 1))
-        assert_parity("moe checkpoint into another expert layout, loss", run, ep1_run[10:])
+        assert [r["step"] for r in run] == list(range(INTERVAL + 1, STEPS + 1))
+        assert_parity("moe checkpoint into another expert layout, loss", run, ep1_run[INTERVAL:])

@@ -33,13 +33,16 @@ def first(path) -> tuple:
     return found[0], (best.changes if best else None)
 
 
-def write_run(path: Path, overrides: dict, ranks: list[dict], steps: int = 6, tokens_per_s=None) -> Path:
+def write_run(
+    path: Path, overrides: dict, ranks: list[dict], steps: int = 6, tokens_per_s=None, hardware=CPU, **fields
+) -> Path:
     """A run directory as `threefold train` writes it, with constructed span records: `ranks`
-    gives each rank's {category: seconds} (and "calls"/"bytes" per group)."""
+    gives each rank's {category: seconds} (and "calls"/"bytes" per group); `fields` go into
+    every step's metrics (dp_comm_serial_s, as a traced step has it)."""
     cfg = resolved_config({**BASE, **overrides}, path, "")
     path.mkdir(parents=True, exist_ok=True)
     world = len(ranks)
-    info = {"config": cfg, "layout": {}, "hardware": CPU, "extra": {"peak_flops_per_device": 2e10}}
+    info = {"config": cfg, "layout": {}, "hardware": hardware, "extra": {"peak_flops_per_device": 2e10}}
     (path / "run.json").write_text(json.dumps(info))
     p = cfg["parallel"]
     coords = [{"tp": 0, "pp": r // (world // p["pp"]), "dp": r % p["dp"], "ep": 0} for r in range(world)]
@@ -57,7 +60,7 @@ def write_run(path: Path, overrides: dict, ranks: list[dict], steps: int = 6, to
         tps = tokens_per_s[step - 1] if tokens_per_s else 1000 / wall
         metrics.append(
             {"step": step, "loss": 5.0, "step_time_s": wall, "tokens_per_s": tps, "mfu": 0.1,
-             "time_s": {"mean": mean, "max": mean}, "span_step_s": {"mean": wall, "max": wall}}
+             "time_s": {"mean": mean, "max": mean}, "span_step_s": {"mean": wall, "max": wall}, **fields}
         )  # fmt: skip
         spans.append({"step": step, "steps": 1, "ranks": rows})
     (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
@@ -81,6 +84,36 @@ def test_too_few_microbatches_for_pp4_prescribes_more(tmp_path, capsys):
     assert "1. pipeline bubble 4" in out and "`--parallel.microbatches " in out and "predicted +" in out
 
 
+def test_fewer_microbatches_than_stages_are_priced_and_prescribed(tmp_path):
+    # pp 4, m 2: the planner's search never proposes it, but a run that did it gets a prescription
+    # priced by the planner (the run's own layout is predicted as it ran).
+    over = {"parallel.pp": 4, "train.global_batch": 32, "train.micro_batch": 16}
+    path = write_run(tmp_path / "pp4m2", over, [work(pp_bubble=0.45, pp_p2p=0.01) for _ in range(4)])
+    finding, changes = first(path)
+    assert finding.category == "pp_bubble", finding.text()
+    assert changes is not None and changes["parallel.microbatches"] > 2, finding.text()
+    knob = best_knob(finding)
+    assert knob.source == "planner" and knob.gain > 0.1, finding.text()
+
+
+@pytest.mark.parametrize("cores", [2, 64])
+def test_latency_bound_buckets_on_shared_cores_save_their_replayed_work(tmp_path, cores):
+    # 170 calls of 26 KiB whose waits overlap hid (20 ms exposed). On 2 cores for 2 ranks their
+    # work ran on backward's cores: fewer calls save their share of the traced step's replay
+    # (100 ms alone). With cores to spare only the exposed wait is saved.
+    dp = {"calls": {"dp": 170.0}, "bytes": {"dp": 170 * 26 * 1024.0}}
+    over = {"parallel.dp": 2, "parallel.bucket_mb": 0.002, "train.global_batch": 8}
+    ranks = [work(dp_exposed=0.02, **dp) for _ in range(2)]
+    hardware = {**CPU, "logical_cores": cores}
+    path = write_run(tmp_path / "few", over, ranks, hardware=hardware, dp_comm_serial_s=0.1)
+    finding, changes = first(path)
+    knob = best_knob(finding)
+    assert finding.category == "dp_exposed" and changes["parallel.bucket_mb"] == 1.1, finding.text()
+    wall = sum(v for k, v in ranks[0].items() if k not in ("calls", "bytes"))
+    saved = 0.1 * (170 - 4) / 170 if cores == 2 else 0.02
+    assert knob.gain == pytest.approx(wall / (wall - saved) - 1, rel=1e-6), finding.text()
+
+
 def test_latency_bound_buckets_prescribe_a_bigger_bucket(tmp_path):
     # 400 buckets of 8 KiB per step: each call pays the cpu profile's ~6.5 ms fixed cost.
     dp = {"calls": {"dp": 400.0}, "bytes": {"dp": 400 * 8192.0}}
@@ -91,14 +124,18 @@ def test_latency_bound_buckets_prescribe_a_bigger_bucket(tmp_path):
     assert changes is not None and changes["parallel.bucket_mb"] > 0.008 * 4, finding.text()
 
 
-def test_one_huge_bucket_prescribes_a_smaller_one(tmp_path):
-    # One bucket holds every gradient: its all-reduce starts when backward ends.
+@pytest.mark.parametrize("cores", [2, 64])
+def test_one_huge_bucket_prescribes_a_smaller_one(tmp_path, cores):
+    # One bucket holds every gradient: its all-reduce starts when backward ends. With no core to
+    # spare for it, overlapping hides its wait but not its work: the estimate says it bounds.
     dp = {"calls": {"dp": 1.0}, "bytes": {"dp": 3.4 * 2**20}}
     over = {"parallel.dp": 2, "parallel.bucket_mb": 1000, "train.global_batch": 8}
-    path = write_run(tmp_path / "big", over, [work(dp_exposed=0.25, **dp) for _ in range(2)])
+    ranks = [work(dp_exposed=0.25, **dp) for _ in range(2)]
+    path = write_run(tmp_path / "big", over, ranks, hardware={**CPU, "logical_cores": cores})
     finding, changes = first(path)
     assert finding.category == "dp_exposed", finding.text()
     assert changes is not None and changes["parallel.bucket_mb"] < 3.4, finding.text()
+    assert ("upper bound" in finding.text()) == (cores == 2), finding.text()
 
 
 def test_a_saturated_link_is_not_recoverable_by_a_knob(tmp_path):

@@ -165,7 +165,9 @@ def batch_reason(global_batch: int, dp: int, mbs: int | None = None) -> tuple[st
     return None
 
 
-def schedule_reason(schedule: str, p: int, m: int, v: int) -> tuple[str, str] | None:
+def schedule_reason(schedule: str, p: int, m: int, v: int, prune: bool = True) -> tuple[str, str] | None:
+    """What the schedule cannot run; with `prune`, also what the search leaves out though it runs
+    (fewer micro-batches than stages: predicting a run that did so needs prune=False)."""
     if p == 1:
         if schedule not in ("1f1b",) or v != 1:
             return "schedule", f"schedule {schedule} with vpp={v} needs pipeline parallelism (pp > 1)."
@@ -179,7 +181,7 @@ def schedule_reason(schedule: str, p: int, m: int, v: int) -> tuple[str, str] | 
             )
     elif v != 1:
         return "schedule", f"vpp={v} needs the interleaved schedule; {schedule} runs one chunk per rank."
-    if m < p:
+    if prune and m < p:
         return "microbatches", (
             f"{m} micro-batch{'es' if m != 1 else ''} cannot fill {p} pipeline stages: most "
             f"stages would sit idle (use at least {p}, i.e. a smaller micro-batch or dp)."
@@ -247,9 +249,16 @@ def ep_reason(model, ep: int, dp: int) -> tuple[str, str] | None:
 
 
 def structural_reason(
-    model_cfg, layout: Layout, global_batch: int, devices_per_node: int, allow_across: bool, world: int
+    model_cfg,
+    layout: Layout,
+    global_batch: int,
+    devices_per_node: int,
+    allow_across: bool,
+    world: int,
+    prune: bool = True,
 ) -> tuple[str, str] | None:
-    """Every rule for one given layout (the search applies them level by level instead)."""
+    """Every rule for one given layout (the search applies them level by level instead); `prune`
+    as in schedule_reason."""
     if layout.world > world:
         return "devices", f"the layout needs {layout.world} devices but the cluster has {world}."
     for reason in (
@@ -260,4 +269,4 @@ def structural_reason(
     ):
         if reason:
             return reason
-    return schedule_reason(layout.schedule, layout.pp, layout.microbatches(global_batch), layout.vpp)
+    return schedule_reason(layout.schedule, layout.pp, layout.microbatches(global_batch), layout.vpp, prune)

@@ -166,6 +166,9 @@ class RunPredictor:
         self.shape = model_shape(self.cfg.model)
         self.shares_cores = self.cluster.core_share < 1.0
         """More processes than cores (cpu): a rank that waits gives its core to the others."""
+        self.comm_on_compute_cores = cpu and 0 < self.cluster.host_cores <= world
+        """No core to spare (cpu): the collectives' threads run on the cores compute uses, so
+        overlap hides a collective's wait but not its work."""
         self.global_batch = t.global_batch
         self._base = self.predict({})
 
@@ -184,9 +187,11 @@ class RunPredictor:
             elif name in fields:
                 fields[name] = value
         layout = Layout(**fields)
+        # The run and its neighbours are predicted as they would run, including what the search
+        # prunes (fewer micro-batches than stages: the pathology a report has to price).
         why = structural_reason(
             self.cfg.model, layout, self.global_batch, self.cluster.devices_per_node,
-            self.cluster.allow_tp_across_nodes, self.cluster.world,
+            self.cluster.allow_tp_across_nodes, self.cluster.world, prune=False,
         )  # fmt: skip
         return None if why else layout
 
