@@ -120,6 +120,27 @@ def test_handlers_flag_and_a_second_press_is_one_only_when_it_comes_later(monkey
     )
 
 
+@pytest.mark.parametrize("settles", [False, True])
+def test_a_sigterm_in_a_step_that_then_hangs_exits_when_the_step_is_stuck(monkeypatch, settles):
+    # The elastic agent SIGTERMs every worker once a peer failed and waits 30 s for each: a rank
+    # hung in its step must not wait out that grace. One whose step settles (its agreement
+    # returned: what follows may be the stop's save) is left to finish.
+    import threefold.train.signals as signals
+
+    monkeypatch.setattr(signals, "STUCK_S", 0.3)
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    stop = StopSignals(speaks=False)
+    stop.boundary()
+    stop._handle(signal.SIGTERM, None)  # in-step for ~0 s: deferred, not stuck yet
+    assert stop.requested == TERMINATE and exits == []
+    if settles:
+        stop.settled()
+    stop._watch.join(timeout=5)
+    assert not stop._watch.is_alive()
+    assert exits == ([] if settles else [143])
+
+
 @pytest.mark.parametrize("lag", [0, 1])
 def test_every_rank_stops_after_the_step_whose_read_shows_the_signal(data, tmp_path, lag):
     """In-process, the loop read at once (CPU) and one step late (CUDA): the signal seen at step 6's

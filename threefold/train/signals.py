@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 INTERRUPT, TERMINATE = 1, 2
@@ -25,7 +26,8 @@ STUCK_S = 10.0
 """A SIGTERM that finds this rank in a step (or a save) longer than this and than 3x the longest
 one so far treats the rank as hung (the elastic agent tears down a group whose peer failed with
 SIGTERM and waits 30 s for each process): it exits at once rather than wait for a boundary it
-will not reach."""
+will not reach. One that comes sooner is watched: if the step outlasts that bound before the
+next boundary, the rank exits then."""
 SAME_PRESS_S = 1.0
 """A terminal's Ctrl-C reaches a worker directly and again through the elastic agent, which
 forwards what it received: two SIGINTs this close together are one press."""
@@ -61,6 +63,8 @@ class StopSignals:
         self._boundary: float | None = None  # when the loop last finished a step
         self._longest = 0.0
         self._previous: dict = {}
+        self._watch: threading.Thread | None = None
+        self._settled: float | None = None  # the boundary of the last step whose agreement returned
 
     @classmethod
     def install(cls, speaks: bool = True) -> StopSignals:
@@ -82,8 +86,32 @@ class StopSignals:
             self._longest = max(self._longest, now - self._boundary)
         self._boundary = now
 
+    def settled(self) -> None:
+        """This step's agreement (the collective that carries the stop flag) returned: the rank is
+        not hung in this step, and what follows in it may be the stop's save."""
+        self._settled = self._boundary
+
     def _stuck(self, now: float) -> bool:
         return self._boundary is not None and now - self._boundary > max(STUCK_S, 3 * self._longest)
+
+    def _watch_step(self) -> None:
+        """After a deferred SIGTERM: exit if this step becomes stuck before its agreement returns
+        (settled) or the next step begins. A thread, since a hung main thread runs no handler. The
+        stop's save comes after the agreement, so the watch never cuts it short."""
+        began = self._boundary
+        if began is None or self._watch is not None or self._settled == began:
+            return
+
+        def watch() -> None:
+            while self._boundary == began and self._settled != began:
+                now = time.monotonic()
+                if self._stuck(now):
+                    os._exit(EXIT_CODE[TERMINATE])
+                    return  # only reached where os._exit is a test's stand-in
+                time.sleep(min(1.0, max(0.01, began + max(STUCK_S, 3 * self._longest) - now)))
+
+        self._watch = threading.Thread(target=watch, name="threefold-stuck-step", daemon=True)
+        self._watch.start()
 
     def _handle(self, signum, _frame) -> None:
         now = time.monotonic()
@@ -91,6 +119,7 @@ class StopSignals:
             os._exit(EXIT_CODE[TERMINATE])
         if signum == signal.SIGTERM:
             self.requested = TERMINATE
+            self._watch_step()
         elif self.requested and now - (self.received_at or now) > SAME_PRESS_S:
             # A second Ctrl-C: the user will not wait for the step and the save.
             if self.speaks:

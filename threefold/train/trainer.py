@@ -290,6 +290,8 @@ class Trainer(TrainingLoop):
             waits = (timed.recv_wait_s, timed.idle_fraction) if timed is not None else (0.0, 0.0)
             worst = (float(peak_memory_bytes(self.device)), data_wait_s, *waits)
             norm = self.guard.agree(norm, loss_sum, compute_s, engine, worst, self.stop.requested if self.stop else 0)
+            if self.stop is not None:
+                self.stop.settled()
             applied = engine.step(lr, norm, t.grad_clip)
             if self.probe:
                 self.probe.after_step(engine)
