@@ -277,11 +277,13 @@ def _dp(ctx: _Context) -> Finding | None:
     if zero == 3:
         return found("ZeRO-3 parameter gathers and reductions")
     bw, fixed = ctx.predictor.link("dp") if ctx.predictor is not None else (None, None)
+    # No core to spare (cpu): overlap hides a reduction's wait, not its work.
+    shared_cores = getattr(ctx.predictor, "comm_on_compute_cores", False)
     per_call = nbytes / calls if calls else nbytes
     if calls <= 2 and bucket * MiB >= 0.5 * total > 0:
         why = f"{calls:.0f} bucket(s) of {per_call / MiB:.2f} MiB: the reduction starts when backward ends"
         saved = min(0.75 * exposed, ctx.seconds.get("backward", 0.0))
-        if getattr(ctx.predictor, "comm_on_compute_cores", False):
+        if shared_cores:
             why += (
                 "; on cores it shares with compute, overlap hides the reduction's wait but not its work, "
                 "so the estimate is an upper bound"
@@ -293,7 +295,7 @@ def _dp(ctx: _Context) -> Finding | None:
         calls_new = max(1.0, math.ceil(total / (new * MiB)))
         saved = min(exposed, (calls - calls_new) * (fixed if fixed is not None else exposed / calls))
         why = f"{calls:.0f} buckets of {per_call / 1024:.0f} KiB per step: each pays the call's fixed cost"
-        if ctx.dp_serial and getattr(ctx.predictor, "comm_on_compute_cores", False):
+        if ctx.dp_serial and shared_cores:
             # Overlap hid the calls' wait, but their work ran on compute's cores and lengthened
             # backward: fewer calls save up to their share of the replay (mostly fixed cost; an
             # upper bound, since the replay's blocking calls also wait for the peer each time).

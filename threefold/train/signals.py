@@ -91,15 +91,19 @@ class StopSignals:
         not hung in this step, and what follows in it may be the stop's save."""
         self._settled = self._boundary
 
+    def _stuck_after(self) -> float:
+        """Seconds in one step (or save) after which the rank counts as hung."""
+        return max(STUCK_S, 3 * self._longest)
+
     def _stuck(self, now: float) -> bool:
-        return self._boundary is not None and now - self._boundary > max(STUCK_S, 3 * self._longest)
+        return self._boundary is not None and now - self._boundary > self._stuck_after()
 
     def _watch_step(self) -> None:
         """After a deferred SIGTERM: exit if this step becomes stuck before its agreement returns
         (settled) or the next step begins. A thread, since a hung main thread runs no handler. The
         stop's save comes after the agreement, so the watch never cuts it short."""
         began = self._boundary
-        if began is None or self._watch is not None or self._settled == began:
+        if began is None or self._settled == began or (self._watch is not None and self._watch.is_alive()):
             return
 
         def watch() -> None:
@@ -108,7 +112,7 @@ class StopSignals:
                 if self._stuck(now):
                     os._exit(EXIT_CODE[TERMINATE])
                     return  # only reached where os._exit is a test's stand-in
-                time.sleep(min(1.0, max(0.01, began + max(STUCK_S, 3 * self._longest) - now)))
+                time.sleep(min(1.0, max(0.01, began + self._stuck_after() - now)))
 
         self._watch = threading.Thread(target=watch, name="threefold-stuck-step", daemon=True)
         self._watch.start()
