@@ -99,15 +99,9 @@ def _once(qkvw, group, impl: str, measure: bool):
     return took, (peak.stop() if measure else 0), saved, group.stats.total_bytes, mine
 
 
-def attention_worker(seqs: list[int], runs: list, rounds: dict, block_elements: int = 0) -> list[dict]:
-    """Every rank joins every barrier; the members of a configuration's group run it.
-    `block_elements` > 0 replaces ring.BLOCK_ELEMENTS (a huge value: no row chunks)."""
+def attention_worker(seqs: list[int], runs: list, rounds: dict) -> list[dict]:
+    """Every rank joins every barrier; the members of a configuration's group run it."""
     import torch
-
-    from threefold.distributed.context_parallel import ring
-
-    if block_elements:
-        ring.BLOCK_ELEMENTS = block_elements
 
     from threefold.distributed import comm
     from threefold.distributed.comm import Group
@@ -275,7 +269,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--train-seqs", type=int, nargs="+", default=[1024, 4096], help="lengths for level train")
     ap.add_argument("--steps", type=int, default=4, help="training steps per run (the first is not timed)")
     ap.add_argument("--train-rounds", type=int, default=3, help="rounds of training runs per length")
-    ap.add_argument("--block-elements", type=int, default=0, help="ring row-chunk size (0 = ring.BLOCK_ELEMENTS)")
     ap.add_argument("--json", default="", help="also write the rows here")
     args = ap.parse_args(argv)
     runs, refused = configs(args.cps, args.impls, HEADS, KV_HEADS)
@@ -288,7 +281,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for seq in args.seqs:  # one job per length: each table is out as soon as it is measured
             t0 = time.perf_counter()
             rounds = {seq: args.long_rounds if seq >= 16384 else args.rounds}
-            rows = run_ranks(attention_worker, world, [seq], runs, rounds, args.block_elements, timeout=3 * 3600)[0]
+            rows = run_ranks(attention_worker, world, [seq], runs, rounds, timeout=3 * 3600)[0]
             _ratios(rows)
             print(f"seq {seq}: {rounds[seq]} timed rounds, {time.perf_counter() - t0:.0f} s\n")
             print("\n".join(attention_table(rows, refused)) + "\n", flush=True)

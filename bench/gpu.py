@@ -1,10 +1,28 @@
 """One NVIDIA GPU: CUDA correctness of threefold's code paths against CPU fp32 references, then
 MFU of a ~1B model in bf16 and its step time next to a plain PyTorch loop.
 
-    python bench/gpu.py [--json runs/gpu_bench.json] [--steps 12]   # on a machine with one CUDA GPU
-    python bench/gpu.py --device cpu --tiny                  # the same plumbing on CPU (tests)
+    python bench/gpu.py [--json runs/gpu_bench.json] [--steps 12] [--budget-s 420]   # one CUDA GPU
+    python bench/gpu.py --device cpu --tiny --json out.json      # the same plumbing on CPU (tests)
 
-Checks (value <= tolerance passes), each on the device against fp32 on the CPU:
+Phases, in order, with their expected wall time on one H200. These are estimates from the work
+each phase does, not measurements; --budget-s skips a phase whose estimate exceeds the time left:
+  attention    ~10 s  CUDA start-up; 8 SDPA forward + backward problems (2 x 8 heads x 256 x 64 or
+                      128) and their CPU fp32 references
+  optimizer     ~5 s  5 AdamW steps on 1,000 parameters, the foreach path and the fused kernel
+                      (torch.optim's first step imports torch._dynamo: most of it)
+  training     ~25 s  5 tiny-model runs of 3 steps (CPU fp32 reference, fp32, bf16, recompute
+                      selective and full), ~10 s of it preparing the token cache once
+  compile      ~40 s  the tiny run with train.compile: inductor compiles a block's forward and
+                      backward from a cold cache
+  threefold    ~90 s  gpt-1.3b, 12 steps of 16,384 tokens (~0.3 s each at 50% MFU) after ~60 s
+                      compiling its block
+  memory       ~20 s  one eager gpt-1.3b step under `threefold memory`'s probe
+  plain       ~120 s  the plain recipe compiled whole (24 blocks traced into one graph, ~100 s),
+                      then its 12 steps
+  ~315 s in all; the default --budget-s 420 on CUDA (none on CPU) keeps one call under 8 minutes
+  with the interpreter's start and a phase that overruns its estimate.
+
+Checks (value <= tolerance passes; the tolerances and their reasoning: bench/gpu_checks.py):
   attention <backend> <dtype>  threefold's AttentionCore (SDPA, causal, GQA) per SDPA backend:
                                max |out - ref| and max |dq - ref dq|, relative to max |ref|
                                ("not served": SDPA refuses that backend for the dtype/shape;
@@ -12,9 +30,12 @@ Checks (value <= tolerance passes), each on the device against fp32 on the CPU:
   attention <backend> bf16 hd128  the same without GQA at head dim 128, flash and efficient
   fused attention served       required on CUDA: flash or efficient serves bf16 at head dim
                                128 within tolerance (only the math kernel serving fails)
-  adamw (engine arithmetic)    threefold's adamw_update (the DP engine's optimizer) vs
-                               torch.optim.AdamW on the CPU, 5 steps
-  train fp32                   threefold train (dp = tp = pp = 1, tiny model, 3 steps): max |loss diff|
+  adamw foreach / fused        threefold's adamw_update (the engine's foreach path) and
+                               torch._fused_adamw_ as the engine calls it on CUDA (grouped by decay,
+                               a device step count and gradient scale, one skipped step), each
+                               against torch.optim.AdamW on the CPU in fp32: max |p - ref| / max |p|
+  train fp32                   threefold train (dp = tp = pp = 1, tiny model, 3 steps) against CPU
+                               fp32: the largest relative loss difference
   train bf16 + fp32 master     the same in bf16 parameters with fp32 master weights
   recompute selective / full   vs no recompute on the same device (fp32)
   train.compile vs eager       the same tiny run with each block torch.compiled (fp32)
@@ -25,395 +46,232 @@ warm-up, MFU against the device's dense bf16 peak (threefold.observe peak table)
 loop trains the same model and batches, torch.compile'd whole, with fp32 parameters under
 torch.autocast(bf16), F.cross_entropy, AdamW (fused on CUDA, foreach on CPU) and
 clip_grad_norm_(foreach=True), the usual PyTorch recipe; both run the same steps and drop the
-same warm-up steps (which include the compilation). --eager runs both without compiling.
-Memory: the threefold run's peak allocated bytes next to `threefold memory`'s measured and
-predicted totals for the same configuration (one eager step). TF32 stays off for the checks.
-Prints the table last, writes JSON; exits 1 if a check fails, 2 without a CUDA device.
-Budget: about 6 minutes on an H100/H200-class GPU (one call, under 8).
+same warm-up steps (which include the compilation), each after torch._dynamo.reset(). --eager
+runs both without compiling. Memory: the threefold run's peak allocated bytes next to `threefold
+memory`'s measured and predicted totals for the same configuration (one eager step). No run
+saves a checkpoint. TF32 stays off.
+
+Every check and phase is isolated: any exception (or a worker's exit) becomes that row's FAIL with
+its first line, and the next check runs. The JSON is rewritten atomically (a temp file, then a
+rename) when each phase starts and after every row, so a run killed at any point leaves what it
+measured: {"finished": false until the end, "phases": [{name, expected_s, status (running, ok,
+fail, skip, interrupted), wall_s}], "checks": [{check, key, value, tolerance, ok, note, phase,
+skipped}], "performance", "all_ok", ...}. THREEFOLD_GPU_BENCH_FAIL=<key>[,...] (test-only) makes
+the named checks or phases raise (keys: bench/gpu_checks.py).
+Prints the table last; exits 0 when no row failed (skipped phases are listed, not failed), 1 when
+one did, 2 on bad input or without a CUDA device, 130/143 when a worker was stopped by SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
+import math
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gpu_checks import (  # noqa: E402
+    TinyRuns,
+    adamw_checks,
+    attention_checks,
+    compile_check,
+    first_line,
+    forced,
+    training_checks,
+)
+from gpu_perf import GIB, Performance, pick_model  # noqa: E402
+
+from threefold.checkpoint.manifest import write_atomic  # noqa: E402
+
 # runs/ is git-ignored: a results file at the repository root reads as committed evidence.
 DEFAULT_JSON = "runs/gpu_bench.json"
-TINY = {"model.preset": "tiny", "model.seq_len": 128, "train.global_batch": 8, "train.micro_batch": 4}
-GIB = 2**30
+CUDA_BUDGET_S = 420.0
 
 
-def pick_model(memory_bytes: int, tiny: bool = False) -> tuple[str, dict]:
-    """(label, config overrides) of the largest model up to ~1.3B whose bf16 training with fp32
-    master weights and AdamW (~16 bytes per parameter) plus activations fits in the device."""
-    if tiny:
-        return "tiny", dict(TINY)
-    gpt13 = {"model.preset": "gpt-1.3b", "model.seq_len": 2048}
-    if memory_bytes >= 60 * GIB:
-        return "gpt-1.3b", {**gpt13, "train.global_batch": 8, "train.micro_batch": 4}
-    if memory_bytes >= 32 * GIB:
-        return "gpt-1.3b", {**gpt13, "train.global_batch": 4, "train.micro_batch": 1}
-    mid = {
-        "model.preset": "gpt-1.3b",
-        "model.hidden": 1024,
-        "model.heads": 16,
-        "model.kv_heads": 16,
-        "model.ffn_hidden": 4096,
-        "model.layers": 24,
-        "model.seq_len": 1024,
-    }
-    if memory_bytes >= 12 * GIB:
-        return "gpt-350m", {**mid, "train.global_batch": 8, "train.micro_batch": 4}
-    return "gpt-350m", {**mid, "train.global_batch": 4, "train.micro_batch": 1}
+@dataclass
+class Phase:
+    name: str
+    expected_s: float
+    """Wall time on one H200, estimated from the phase's work (module docstring)."""
+    run: Callable
+    """run(emit): measures, calling emit(row) for each row."""
+    skip: str = ""
+    """Why the phase does not run at all (a flag), or ''."""
 
 
-def make_cfg(overrides: dict, device: str, dtype: str, steps: int, log_dir: str, cache_dir: str, **extra):
-    from threefold.config import build_config
-    from threefold.validate import validate
+class Bench:
+    """The run's JSON document, rewritten atomically whenever it changes, and the phases' runner:
+    budget, isolation, status and wall time per phase."""
 
-    pairs = {
-        **({"train.warmup_steps": 1} if overrides.get("model.preset") == "tiny" else {}),  # presets: their paper's
-        **overrides,
-        "train.device": device,
-        "train.dtype": dtype,
-        "train.steps": steps,
-        "log.dir": log_dir,
-        "log.quiet": "true",
-        "data.cache_dir": cache_dir,
-        "data.prefetch": 0,
-        **extra,
-    }
-    return validate(build_config(None, [(k, str(v)) for k, v in pairs.items()]), 1)
+    def __init__(self, path: Path, header: dict, budget_s: float, clock=time.perf_counter):
+        self.path, self.budget_s, self.clock, self.t0 = path, budget_s, clock, clock()
+        self.phase = None
+        budget = None if math.isinf(budget_s) else budget_s
+        self.doc = {**header, "budget_s": budget, "seconds": 0.0, "finished": False, "all_ok": True}
+        self.doc |= {"phases": [], "checks": [], "performance": None}
+        self.write()
 
+    def write(self) -> None:
+        self.doc["seconds"] = self.clock() - self.t0
+        self.doc["all_ok"] = all(r["ok"] for r in self.doc["checks"])
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.path, json.dumps(self.doc, indent=2))
 
-def train_metrics(overrides: dict, device: str, dtype: str, steps: int, cache_dir: str, **extra) -> list[dict]:
-    """threefold's own training worker, in this process (world of 1)."""
-    from threefold.train.worker import run_worker
+    def emit(self, row: dict) -> None:
+        self.doc["checks"].append({**row, "phase": self.phase})
+        self.write()
 
-    with tempfile.TemporaryDirectory() as log_dir:
-        run_worker(make_cfg(overrides, device, dtype, steps, log_dir, cache_dir, **extra).to_dict())
-        return [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
+    def _skip(self, phase: Phase, record: dict, why: str) -> None:
+        record["status"] = "skip"
+        row = {"check": f"{phase.name} phase", "key": phase.name, "value": None, "tolerance": None}
+        self.emit({**row, "ok": True, "skipped": True, "note": f"skipped: {why}"})
+        print(f"bench/gpu.py: {phase.name}: skipped: {why}", flush=True)
 
-
-def max_loss_diff(a: list[dict], b: list[dict]) -> float:
-    return max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
-
-
-def check(name: str, value: float, tolerance: float) -> dict:
-    return {"check": name, "value": value, "tolerance": tolerance, "ok": bool(value <= tolerance)}
-
-
-# SDPA's refusals of a backend for a dtype/shape/device: CUDA's sdp_utils says "No available
-# kernel", the CPU dispatcher (torch 2.13) "No viable backend for scaled_dot_product_attention".
-REFUSALS = ("No available kernel", "No viable backend for scaled_dot_product_attention")
-BF16_TOL = 2e-2
-FUSED = ("flash", "efficient")
-
-
-def first_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-
-
-def backend_check(label: str, tolerance: float, measure) -> dict:
-    """check(label, measure(), tolerance); "not served" (passes, value None) only when SDPA
-    refuses the backend, a FAIL with the error's first line for any other exception."""
-    try:
-        return check(label, measure(), tolerance)
-    except RuntimeError as err:
-        if any(refusal in str(err) for refusal in REFUSALS):
-            return {"check": label, "value": None, "tolerance": tolerance, "ok": True, "note": "not served"}
-        return {"check": label, "value": None, "tolerance": tolerance, "ok": False, "note": first_line(err)}
-    except Exception as err:  # noqa: BLE001 - any failure is the check's verdict, not the script's
-        return {"check": label, "value": None, "tolerance": tolerance, "ok": False, "note": first_line(err)}
-
-
-def fused_requirement(outcomes: list[dict], device: str) -> dict:
-    """At least one fused backend (flash, efficient) must serve bf16 at head dim 128 within
-    tolerance on CUDA: without one, attention runs on the math kernel (seq^2 memory, slow) and
-    a `sdpa_kernel` list that allows math would hide it. `outcomes` are the per-backend checks;
-    on other devices the outcome is reported and passes."""
-    served = [o for o in outcomes if o["value"] is not None]
-    good = [o for o in served if o["ok"]]
-    row = {
-        "check": "fused attention served (bf16 hd128, flash or efficient)",
-        "value": min((o["value"] for o in served), default=None),
-        "tolerance": BF16_TOL,
-    }
-    if device != "cuda":
-        return {**row, "ok": True, "note": f"required on cuda only; {len(good)} of {len(outcomes)} served"}
-    if good:
-        return {**row, "ok": True, "note": ", ".join(o["check"].split()[1] for o in good)}
-    return {
-        **row,
-        "ok": False,
-        "note": "no fused backend served within tolerance" if served else "no fused backend served",
-    }
-
-
-def attention_checks(device: str) -> list[dict]:
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from threefold.model.layers import AttentionCore
-
-    backends = {
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "math": SDPBackend.MATH,
-    }
-    core = AttentionCore()
-
-    def run(inputs, dtype, dev, backend):
-        qq, kk, vv = (t.to(dev, dtype).clone().requires_grad_() for t in inputs)
-        with sdpa_kernel([backend]):  # this backend alone: a refusal raises instead of falling back
-            out = core(qq, kk, vv)
-            out.float().square().sum().backward()
-        return out.float().cpu(), qq.grad.float().cpu()
-
-    def error(inputs, ref, dtype, backend) -> float:
-        """max |out - ref| and max |dq - ref dq|, relative to max |ref|."""
-        rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
-        out, dq = run(inputs, dtype, device, backend)
-        return max(rel(out, ref[0]), rel(dq, ref[1]))
-
-    gen = torch.Generator().manual_seed(0)
-    gqa = [torch.randn(2, h, 256, 64, generator=gen) for h in (8, 2, 2)]  # 8 query heads, 2 kv heads
-    mha = [torch.randn(2, 8, 256, 128, generator=gen) for _ in range(3)]  # head dim 128, no GQA
-    ref_gqa, ref_mha = (run(x, torch.float32, "cpu", SDPBackend.MATH) for x in (gqa, mha))
-    rows = []
-    for dtype, tol in ((torch.bfloat16, BF16_TOL), (torch.float32, 1e-5)):
-        for name, backend in backends.items():
-            rows.append(
-                backend_check(
-                    f"attention {name} {str(dtype)[6:]}",
-                    tol,
-                    lambda dtype=dtype, backend=backend: error(gqa, ref_gqa, dtype, backend),
-                )
+    def run(self, phases: list[Phase]) -> None:
+        for phase in phases:
+            self.phase = phase.name
+            record = {"name": phase.name, "expected_s": phase.expected_s}
+            self.doc["phases"].append(record)
+            left = self.budget_s - (self.clock() - self.t0)
+            if phase.skip:
+                self._skip(phase, record, phase.skip)
+                continue
+            if phase.expected_s > left:
+                why = f"expected ~{phase.expected_s:g} s on an H200, "
+                why += f"{max(left, 0):.0f} s of --budget-s {self.budget_s:g} left"
+                self._skip(phase, record, why)
+                continue
+            record["status"] = "running"
+            self.write()
+            start, first = self.clock(), len(self.doc["checks"])
+            try:
+                forced(phase.name)
+                phase.run(self.emit)
+            except Exception as err:  # noqa: BLE001 - a phase's failure is its row, the next phase runs
+                row = {"check": f"{phase.name} phase", "key": phase.name, "value": None, "tolerance": None}
+                self.emit({**row, "ok": False, "note": first_line(err)})
+            except BaseException:  # stopped by a signal: what ran is on disk, marked
+                record |= {"status": "interrupted", "wall_s": self.clock() - start}
+                self.write()
+                raise
+            ok = all(r["ok"] for r in self.doc["checks"][first:])
+            record |= {"status": "ok" if ok else "fail", "wall_s": self.clock() - start}
+            self.write()
+            print(
+                f"bench/gpu.py: {phase.name}: {record['status']} in {record['wall_s']:.1f} s "
+                f"(~{phase.expected_s:g} s expected on an H200)",
+                flush=True,
             )
-    fused = [
-        backend_check(
-            f"attention {name} bf16 hd128",
-            BF16_TOL,
-            lambda name=name: error(mha, ref_mha, torch.bfloat16, backends[name]),
-        )
-        for name in FUSED
-    ]
-    return rows + fused + [fused_requirement(fused, device)]
+        self.phase = None
+        self.doc["finished"] = True
+        self.write()
+
+    @property
+    def skipped(self) -> list[str]:
+        return [p["name"] for p in self.doc["phases"] if p.get("status") == "skip"]
 
 
-def adamw_check(device: str) -> dict:
-    import torch
-
-    from threefold.distributed.data_parallel.adamw import adamw_update
-
-    gen = torch.Generator().manual_seed(1)
-    p_ref = torch.randn(1000, generator=gen)
-    grads = [torch.randn(1000, generator=gen) for _ in range(5)]
-    ref = torch.nn.Parameter(p_ref.clone())
-    opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
-    p = p_ref.clone().to(device)
-    m, s = torch.zeros_like(p), torch.zeros_like(p)
-    for i, g in enumerate(grads):
-        ref.grad = g.clone()
-        opt.step()
-        adamw_update([p], [g.to(device)], [m], [s], [p], i + 1, 1e-2, (0.9, 0.95), 1e-8, 0.1)
-    return check("adamw (engine arithmetic)", (p.cpu() - ref.detach()).abs().max().item(), 1e-6)
-
-
-def training_checks(device: str, cache_dir: str) -> list[dict]:
-    ref = train_metrics(TINY, "cpu", "fp32", 3, cache_dir)
-    fp32 = train_metrics(TINY, device, "fp32", 3, cache_dir)
-    rows = [
-        check("train fp32 vs CPU (max loss diff)", max_loss_diff(fp32, ref), 1e-4),
-        check(
-            "train bf16 + fp32 master vs CPU fp32",
-            max_loss_diff(train_metrics(TINY, device, "bf16", 3, cache_dir), ref),
-            5e-2,
-        ),
-    ]
-    for mode in ("selective", "full"):
-        got = train_metrics(TINY, device, "fp32", 3, cache_dir, **{"train.recompute": mode})
-        rows.append(check(f"recompute {mode} vs none", max_loss_diff(got, fp32), 1e-5))
-    compiled = train_metrics(TINY, device, "fp32", 3, cache_dir, **{"train.compile": "true"})
-    rows.append(check("train.compile vs eager (fp32)", max_loss_diff(compiled, fp32), 1e-5))
-    return rows
-
-
-def plain_optimizer_flags(device_type: str) -> dict:
-    """The fastest AdamW implementation torch offers on the device."""
-    return {"fused": True} if device_type == "cuda" else {"foreach": True}
-
-
-def plain_cross_entropy(logits, targets):
-    """The usual recipe's loss: every logit upcast at once (threefold's loss chunks the tokens)."""
-    import torch.nn.functional as F
-
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
-
-
-def plain_loop(overrides: dict, device: str, steps: int, cache_dir: str, compiled: bool = True) -> list[float]:
-    """The usual PyTorch recipe on the same model and batches: the model torch.compile'd whole
-    (`compiled`), fp32 parameters, autocast bf16, AdamW (fused on CUDA, foreach on CPU), foreach
-    clipping; step times with the device synchronized."""
-    import torch
-
-    from threefold.data import GlobalBatchSampler, load_tokens
-    from threefold.model.meta import plain_model
-    from threefold.train.optim import param_groups
-
-    cfg = make_cfg(overrides, device, "bf16", steps, "", cache_dir)
-    m, t = cfg.model, cfg.train
-    dev = torch.device(device)
-    model = plain_model(m, t.seed, dev)  # tied like build_model's (gpt presets)
-    model.loss_fn = plain_cross_entropy
-    run = torch.compile(model) if compiled else model
-    fused = plain_optimizer_flags(dev.type)
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, **fused)
-    tokens = load_tokens(cfg.data.path, cfg.data.vocab, cfg.data.dtype, cfg.data.cache_dir).tokens
-    sampler = GlobalBatchSampler(len(tokens), m.seq_len, t.global_batch, t.seed)
-    n_tokens, times = t.global_batch * m.seq_len, []
-    for step in range(steps):
-        t0 = time.perf_counter()
-        for x, y in sampler.microbatches(tokens, step, 0, 1, t.micro_batch):
-            with torch.autocast(dev.type, dtype=torch.bfloat16):
-                loss = run(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)) / n_tokens
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()  # synchronizes, as threefold's step does when it reads the loss
-        times.append(time.perf_counter() - t0)
-    del model, run, opt
-    return times
-
-
-def memory_figures(overrides: dict, device: str, cache_dir: str, peak_bytes: float) -> dict:
-    """`threefold memory` for the same configuration (one eager step, in this process): its
-    measured and predicted totals (parameters, gradients, optimizer state, activations) next to
-    the training run's peak allocated bytes, which also hold transient buffers (gradient
-    buckets, the logits' gradient, workspaces)."""
-    from threefold.train.worker import run_worker
-
-    with tempfile.TemporaryDirectory() as log_dir:
-        row = run_worker(make_cfg(overrides, device, "bf16", 1, log_dir, cache_dir).to_dict(), True)[0]
-    measured = sum(v for v in row["measured"].values() if v is not None)
-    predicted = sum(v for v in row["predicted"].values() if v is not None)
-    return {
-        "train_peak_bytes": peak_bytes,
-        "memory_measured_bytes": measured,
-        "memory_predicted_bytes": predicted,
-        "peak_over_predicted": peak_bytes / predicted if predicted else None,
-    }
-
-
-def release(device: str) -> None:
-    import torch
-
-    gc.collect()  # one contestant's memory goes back before the next allocates its own
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
-def performance(device: str, label: str, overrides: dict, steps: int, cache_dir: str, compiled: bool = True) -> dict:
-    import torch
-
-    from threefold.observe import device_peak_flops, train_flops_per_token
-
-    warm = min(2, steps - 1)
-    metrics = train_metrics(overrides, device, "bf16", steps, cache_dir, **{"train.compile": str(compiled).lower()})
-    release(device)
-    memory = memory_figures(overrides, device, cache_dir, max(r.get("peak_mem_bytes", 0) for r in metrics))
-    release(device)
-    plain = plain_loop(overrides, device, steps, cache_dir, compiled)[warm:]
-    cfg = make_cfg(overrides, device, "bf16", steps, "", cache_dir)
-    tokens = cfg.train.global_batch * cfg.model.seq_len
-    flops = train_flops_per_token(cfg.model, cfg.model.seq_len) * tokens
-    peak = device_peak_flops(torch.device(device), torch.bfloat16, cache_dir=cache_dir)
-    ours = statistics.median(r["step_time_s"] for r in metrics[warm:])
-    theirs = statistics.median(plain)
-
-    def mfu(seconds: float) -> float | None:
-        return flops / seconds / peak if peak else None
-
-    return {
-        "model": label,
-        "overrides": overrides,
-        "tokens_per_step": tokens,
-        "peak_flops": peak,
-        "threefold_step_s": ours,
-        "plain_step_s": theirs,
-        "ratio": ours / theirs,
-        "threefold_mfu": mfu(ours),
-        "plain_mfu": mfu(theirs),
-        "steps": steps,
-        "warmup": warm,
-        "plain_optimizer": ", ".join(f"{k}={v}" for k, v in plain_optimizer_flags(device).items()),
-        "final_loss": metrics[-1]["loss"],
-        "compiled": compiled,
-        "memory": memory,
-    }
+def phases(device: str, tiny: bool, memory: int, args, cache_dir: str) -> tuple[list[Phase], dict]:
+    """The run's phases, and the performance dict they fill."""
+    runs = TinyRuns(device, cache_dir)
+    label, overrides = pick_model(memory, tiny)
+    perf = Performance(device, label, overrides, args.steps, cache_dir, not args.eager)
+    no_perf = "--skip-perf" if args.skip_perf else ""
+    return [
+        Phase("attention", 10, lambda emit: attention_checks(device, emit)),
+        Phase("optimizer", 5, lambda emit: adamw_checks(device, emit)),
+        Phase("training", 25, lambda emit: training_checks(runs, emit)),
+        Phase("compile", 40, lambda emit: compile_check(runs, emit)),
+        Phase("threefold", 90, perf.threefold, no_perf),
+        Phase("memory", 20, perf.memory, no_perf),
+        Phase("plain", 120, perf.plain, no_perf),
+    ], perf.perf
 
 
 def check_line(c: dict) -> str:
     """One row: a value and ok/FAIL; a check without a value shows why (not served, the error)."""
     note = c.get("note", "")
+    tol = "-" if c["tolerance"] is None else f"{c['tolerance']:.1e}"
+    if c.get("skipped"):
+        return f"| {c['check']} | {note} | {tol} | SKIP |"
     if c["value"] is None:
-        return f"| {c['check']} | {note or 'no value'} | {c['tolerance']:.0e} | {'-' if c['ok'] else 'FAIL'} |"
+        return f"| {c['check']} | {note or 'no value'} | {tol} | {'-' if c['ok'] else 'FAIL'} |"
     verdict = "ok" if c["ok"] else "FAIL"
-    return f"| {c['check']} | {c['value']:.2e} | {c['tolerance']:.0e} | {verdict}{f' ({note})' if note else ''} |"
+    return f"| {c['check']} | {c['value']:.2e} | {tol} | {verdict}{f' ({note})' if note else ''} |"
+
+
+def perf_lines(perf: dict) -> list[str]:
+    """The contestants that ran, their MFU, and the ratio when both did."""
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    names = (("threefold", "threefold"), ("plain PyTorch (autocast bf16)", "plain"))
+    ran = [(name, key) for name, key in names if f"{key}_step_s" in perf]
+    if not ran:
+        return []
+    compiled = perf.get("compiled", False)
+    lines = [
+        "",
+        f"{perf['model']} in bf16 (fp32 master weights), {perf['tokens_per_step']:,} tokens per step, "
+        f"median of {perf['steps'] - perf['warmup']} steps after {perf['warmup']} warm-up",
+        "",
+        "| contestant | step ms | tokens/s | MFU |",
+        "|---|---|---|---|",
+    ]
+    for name, key in ran:
+        s = perf[f"{key}_step_s"]
+        lines.append(f"| {name} | {s * 1e3:.1f} | {perf['tokens_per_step'] / s:,.0f} | {pct(perf[f'{key}_mfu'])} |")
+    lines += [
+        "",
+        "Contestants:",
+        "",
+        "- threefold: `threefold train`'s worker (dp = tp = pp = 1), bf16 parameters with fp32 master "
+        "weights and fp32 gradients, the DataParallel engine's AdamW (fused on CUDA, foreach on CPU), "
+        f"clipping at grad_clip, the chunked loss{', train.compile (each block)' if compiled else ''}.",
+        f"- plain PyTorch: {'the model torch.compile-d whole, ' if compiled else ''}fp32 parameters under "
+        f"torch.autocast(bf16), F.cross_entropy, AdamW({perf.get('plain_optimizer', '')}), "
+        "clip_grad_norm_(foreach=True), zero_grad(set_to_none=True).",
+        f"- Both: the same model, init and batches, {perf['steps']} steps, the first {perf['warmup']} "
+        "dropped, the device synchronized at each step's end, each after torch._dynamo.reset().",
+    ]
+    if "ratio" in perf:
+        lines.append(f"\nthreefold / plain step time: {perf['ratio']:.3f}")
+    mem = perf.get("memory") or {}
+    if mem.get("memory_predicted_bytes") and mem.get("train_peak_bytes"):
+        lines.append(
+            f"threefold peak allocated {mem['train_peak_bytes'] / GIB:.2f} GiB; `threefold memory`: "
+            f"measured {mem['memory_measured_bytes'] / GIB:.2f} GiB, "
+            f"predicted {mem['memory_predicted_bytes'] / GIB:.2f} GiB "
+            f"(peak / predicted {mem['peak_over_predicted']:.2f})"
+        )
+    return lines
 
 
 def table(checks: list[dict], perf: dict | None) -> str:
     lines = ["| check | value | tolerance | result |", "|---|---|---|---|"]
     lines += [check_line(c) for c in checks]
-    if perf and perf.get("error"):
-        lines.append(f"\nperformance ({perf['model']}) failed: {perf['error']}")
-    elif perf:
-        pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
-        compiled = perf.get("compiled", False)
-        lines += [
-            "",
-            f"{perf['model']} in bf16 (fp32 master weights), {perf['tokens_per_step']:,} tokens per step, "
-            f"median of {perf['steps'] - perf['warmup']} steps after {perf['warmup']} warm-up",
-            "",
-            "| contestant | step ms | tokens/s | MFU |",
-            "|---|---|---|---|",
-        ]
-        for name, key in (("threefold", "threefold"), ("plain PyTorch (autocast bf16)", "plain")):
-            s = perf[f"{key}_step_s"]
-            lines.append(f"| {name} | {s * 1e3:.1f} | {perf['tokens_per_step'] / s:,.0f} | {pct(perf[f'{key}_mfu'])} |")
-        lines += [
-            "",
-            "Contestants:",
-            "",
-            "- threefold: `threefold train`'s worker (dp = tp = pp = 1), bf16 parameters with fp32 master "
-            "weights and fp32 gradients, the DataParallel engine's AdamW (torch's foreach arithmetic), "
-            f"clipping at grad_clip, the chunked loss{', train.compile (each block)' if compiled else ''}.",
-            f"- plain PyTorch: {'the model torch.compile-d whole, ' if compiled else ''}fp32 parameters under "
-            f"torch.autocast(bf16), F.cross_entropy, AdamW({perf.get('plain_optimizer', '')}), "
-            "clip_grad_norm_(foreach=True), zero_grad(set_to_none=True).",
-            f"- Both: the same model, init and batches, {perf['steps']} steps, the first {perf['warmup']} "
-            "dropped, the device synchronized at each step's end.",
-            f"\nthreefold / plain step time: {perf['ratio']:.3f}",
-        ]
-        mem = perf.get("memory") or {}
-        if mem.get("memory_predicted_bytes"):
-            lines.append(
-                f"threefold peak allocated {mem['train_peak_bytes'] / GIB:.2f} GiB; `threefold memory`: "
-                f"measured {mem['memory_measured_bytes'] / GIB:.2f} GiB, "
-                f"predicted {mem['memory_predicted_bytes'] / GIB:.2f} GiB "
-                f"(peak / predicted {mem['peak_over_predicted']:.2f})"
-            )
-    return "\n".join(lines)
+    return "\n".join(lines + perf_lines(perf or {}))
+
+
+def bad_input(args, torch) -> str:
+    """One line saying what is wrong with the command, or ''."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return (
+            f"no CUDA device (torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
+            "run it on a machine with an NVIDIA GPU, or --device cpu --tiny to test"
+        )
+    if args.device == "cpu" and not args.tiny:
+        return "--device cpu needs --tiny (a ~1B model on CPU would take hours)"
+    if args.steps < 1:
+        return f"--steps must be >= 1, got {args.steps}"
+    if args.budget_s is not None and not args.budget_s >= 0:
+        return f"--budget-s must be >= 0 seconds, got {args.budget_s:g}"
+    return ""
 
 
 def main(argv=None) -> int:
@@ -424,18 +282,16 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help=f"where to write the results (default: {DEFAULT_JSON} in the checkout)")
     ap.add_argument("--skip-perf", action="store_true", help="correctness checks only")
     ap.add_argument("--eager", action="store_true", help="performance without torch.compile on either side")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        help=f"skip a phase whose H200 estimate exceeds the seconds left ({CUDA_BUDGET_S:g} on cuda, none on cpu)",
+    )
     args = ap.parse_args(argv)
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(
-            f"bench/gpu.py: error: no CUDA device (torch {torch.__version__}, built with CUDA "
-            f"{torch.version.cuda}); run it on a machine with an NVIDIA GPU, or --device cpu --tiny to test",
-            file=sys.stderr,
-        )
-        return 2
-    if args.device == "cpu" and not args.tiny:
-        print("bench/gpu.py: error: --device cpu needs --tiny (a ~1B model on CPU would take hours)", file=sys.stderr)
+    if why := bad_input(args, torch):
+        print(f"bench/gpu.py: error: {why}", file=sys.stderr)
         return 2
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -443,33 +299,25 @@ def main(argv=None) -> int:
         name, memory = torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory
     else:
         name, memory = "cpu", 0
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as cache_dir:
-        checks = attention_checks(args.device) + [adamw_check(args.device)]
-        checks += training_checks(args.device, cache_dir)
-        perf = None
-        if not args.skip_perf:
-            label, overrides = pick_model(memory, args.tiny)
-            try:
-                perf = performance(args.device, label, overrides, args.steps, cache_dir, not args.eager)
-            except RuntimeError as err:  # e.g. out of memory: keep the checks, report the failure
-                perf = {"model": label, "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"}
-    result = {
-        "device": name,
-        "memory_bytes": memory,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "seconds": time.perf_counter() - t0,
-        "checks": checks,
-        "performance": perf,
-        "all_ok": all(c["ok"] for c in checks) and not (perf or {}).get("error"),
-    }
+    budget = args.budget_s if args.budget_s is not None else CUDA_BUDGET_S if args.device == "cuda" else math.inf
     out = Path(args.json) if args.json else ROOT / DEFAULT_JSON
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"\n{name}, torch {torch.__version__}, {result['seconds']:.0f} s; results in {out}\n")
-    print(table(checks, perf))
-    return 0 if result["all_ok"] else 1
+    header = {"device": name, "memory_bytes": memory, "torch": torch.__version__, "cuda": torch.version.cuda}
+    header["command"] = " ".join(["python", "bench/gpu.py", *(sys.argv[1:] if argv is None else argv)])
+    with tempfile.TemporaryDirectory() as cache_dir:
+        bench = Bench(out, header, budget)
+        plan, perf = phases(args.device, args.tiny, memory, args, cache_dir)
+        bench.doc["performance"] = perf
+        try:
+            bench.run(plan)
+        except (SystemExit, KeyboardInterrupt) as err:  # stopped by SIGINT/SIGTERM: the bench stops too
+            print(f"bench/gpu.py: stopped in phase {bench.phase}; results so far in {out}", file=sys.stderr)
+            return err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 130
+    doc = bench.doc
+    print(f"\n{name}, torch {torch.__version__}, {doc['seconds']:.0f} s; results in {out}\n")
+    print(table(doc["checks"], doc["performance"]))
+    if bench.skipped:
+        print(f"\nskipped phases: {', '.join(bench.skipped)} (their SKIP rows say why)")
+    return 0 if doc["all_ok"] else 1
 
 
 if __name__ == "__main__":

@@ -1,11 +1,10 @@
-"""The benchmark suite's plumbing (bench/run.py, bench/suite.py, bench/stats.py) and bench/gpu.py's
-CPU-testable parts. No timing is asserted: these check registry, markdown, intervals, goals,
+"""The benchmark suite's plumbing (bench/run.py, bench/suite.py, bench/stats.py; bench/gpu.py's in
+test_gpu_bench.py). No timing is asserted: these check registry, markdown, intervals, goals,
 JSON and error paths."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench")]
 
-import gpu  # noqa: E402
 import run as bench_run  # noqa: E402
 import stats  # noqa: E402
 import suite  # noqa: E402
@@ -251,104 +249,3 @@ def test_threed_analytic_bytes_and_ratios():
         "TP bytes / analytic (worst rank)": 1.1,
         "DP bytes / analytic (worst rank)": 0.95,
     }
-
-
-def test_gpu_model_choice_by_memory():
-    gib = 2**30
-    assert gpu.pick_model(141 * gib)[0] == "gpt-1.3b"
-    assert gpu.pick_model(80 * gib)[1]["train.micro_batch"] == 4
-    assert gpu.pick_model(40 * gib)[1]["train.micro_batch"] == 1
-    assert gpu.pick_model(24 * gib)[0] == "gpt-350m"
-    assert gpu.pick_model(0, tiny=True)[1]["model.preset"] == "tiny"
-    for mem in (8, 16, 40, 80):  # every choice is a valid configuration
-        gpu.make_cfg(gpu.pick_model(mem * gib)[1], "cpu", "bf16", 2, "", "")
-
-
-def test_gpu_table_marks_failures_and_unserved_backends():
-    checks = [
-        gpu.check("a", 1e-7, 1e-5),
-        gpu.check("b", 1.0, 1e-5),
-        {"check": "attention efficient bfloat16", "value": None, "tolerance": 2e-2, "ok": True, "note": "not served"},
-        {
-            "check": "attention flash bfloat16",
-            "value": None,
-            "tolerance": 2e-2,
-            "ok": False,
-            "note": "RuntimeError: CUDA error: an illegal memory access",
-        },
-    ]
-    perf = {
-        "model": "tiny",
-        "tokens_per_step": 1000,
-        "steps": 4,
-        "warmup": 2,
-        "threefold_step_s": 0.5,
-        "plain_step_s": 0.4,
-        "threefold_mfu": 0.4,
-        "plain_mfu": None,
-        "ratio": 1.25,
-    }
-    text = gpu.table(checks, perf)
-    assert "| a | 1.00e-07 | 1e-05 | ok |" in text and "| b | 1.00e+00 | 1e-05 | FAIL |" in text
-    assert "| attention efficient bfloat16 | not served | 2e-02 | - |" in text
-    assert "| attention flash bfloat16 | RuntimeError: CUDA error: an illegal memory access | 2e-02 | FAIL |" in text
-    assert "| threefold | 500.0 | 2,000 | 40.0% |" in text and "| - |" in text
-    assert "Contestants:" in text
-    assert text.rstrip().endswith("1.250")
-    failed = gpu.table(checks[:1], {"model": "gpt-1.3b", "error": "OutOfMemoryError: CUDA out of memory"})
-    assert failed.rstrip().endswith("performance (gpt-1.3b) failed: OutOfMemoryError: CUDA out of memory")
-
-
-def test_gpu_only_sdpa_refusals_count_as_not_served():
-    def refuse(message):
-        def measure():
-            raise RuntimeError(message)
-
-        return measure
-
-    cpu = gpu.backend_check("x", 2e-2, refuse("No viable backend for scaled_dot_product_attention was found."))
-    cuda = gpu.backend_check("x", 2e-2, refuse("No available kernel.  Aborting execution."))
-    assert cpu["ok"] and cuda["ok"] and cpu["value"] is None and cpu["note"] == "not served"
-    other = gpu.backend_check("x", 2e-2, refuse("CUDA error: misaligned address\nmore detail"))
-    assert not other["ok"] and other["value"] is None
-    assert other["note"] == "RuntimeError: CUDA error: misaligned address"
-    broken = gpu.backend_check("x", 2e-2, lambda: 1 / 0)
-    assert not broken["ok"] and broken["note"].startswith("ZeroDivisionError")
-    assert gpu.backend_check("x", 2e-2, lambda: 1e-3)["ok"] and not gpu.backend_check("x", 2e-2, lambda: 0.5)["ok"]
-
-
-def test_gpu_fused_attention_requirement():
-    served = gpu.check("attention flash bf16 hd128", 5e-3, 2e-2)
-    refused = {
-        "check": "attention efficient bf16 hd128",
-        "value": None,
-        "tolerance": 2e-2,
-        "ok": True,
-        "note": "not served",
-    }
-    wrong = gpu.check("attention efficient bf16 hd128", 0.3, 2e-2)
-    assert gpu.fused_requirement([served, refused], "cuda")["ok"]
-    assert gpu.fused_requirement([served, refused], "cuda")["note"] == "flash"
-    none = gpu.fused_requirement([dict(refused, check="attention flash bf16 hd128"), refused], "cuda")
-    assert not none["ok"] and none["value"] is None and none["note"] == "no fused backend served"
-    assert not gpu.fused_requirement([wrong, refused], "cuda")["ok"]  # served, but wrong: fails too
-    on_cpu = gpu.fused_requirement([dict(refused, check="attention flash bf16 hd128"), refused], "cpu")
-    assert on_cpu["ok"] and "required on cuda only" in on_cpu["note"]
-
-
-def test_gpu_json_defaults_under_ignored_runs():
-    assert gpu.DEFAULT_JSON == "runs/gpu_bench.json" and "runs/" in (ROOT / ".gitignore").read_text().split()
-
-
-def test_gpu_engine_adamw_matches_torch_on_cpu():
-    assert gpu.adamw_check("cpu")["ok"]
-
-
-def test_gpu_script_without_cuda_exits_with_one_line():
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py")], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "no CUDA device" in proc.stderr

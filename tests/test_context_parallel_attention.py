@@ -1,7 +1,8 @@
 """Context-parallel attention (threefold.distributed.context_parallel) against unsharded causal
 SDPA: forward rows and q/k/v gradients at 1e-5 (fp32) for cp 2 and 4, ring and a2a, with and
-without GQA; the bytes each rank records in group.stats equal analytic_bytes exactly; the
-load-balanced layout and the one-line refusals need no processes.
+without GQA; the ring's bf16 blocks run on SDPA's fused kernel in bf16 (no matmul of their own);
+the bytes each rank records in group.stats equal analytic_bytes exactly; the load-balanced
+layout and the one-line refusals need no processes.
 
 Each world size spawns once (module fixture) and runs every case; the tests assert on results.
 """
@@ -13,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from threefold.distributed.comm import Group
 from threefold.distributed.context_parallel import (
@@ -31,11 +33,34 @@ from threefold.errors import ConfigError
 
 from harness import run_ranks, within
 
-# fp32: max |diff|. bf16: max |diff| / max |reference|; the ring (fp32 inside) against fp32
-# attention of the same bf16 inputs (bf16 keeps 2^-9 of a value, 0.2%), a2a against bf16 SDPA
-# over the whole sequence (the same kernel on the same heads).
+# fp32: max |diff|. bf16: max |diff| / max |reference|; the ring (bf16 blocks, fp32 merge and
+# accumulators) against fp32 attention of the same bf16 inputs (bf16 keeps 2^-9 of a value, 0.2%,
+# and each block's output and gradients are rounded once), a2a against bf16 SDPA over the whole
+# sequence (the same kernel on the same heads).
 TOL = {"fp32": 1e-5, "bf16": 1e-2}
 BATCH, SEQ, HD = 2, 32, 8
+
+
+MATMULS = {"aten.mm", "aten.bmm", "aten.matmul", "aten.addmm", "aten.baddbmm"}
+FUSED = {
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward",
+}
+
+
+class OpDtypes(TorchDispatchMode):
+    """The aten ops run below autograd, each with the dtypes of its floating tensor arguments."""
+
+    def __enter__(self):
+        self.seen = set()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        dtypes = {str(a.dtype) for a in tensors if a.is_floating_point()}
+        self.seen.add((f"aten.{func._schema.name.split('::')[-1]}", tuple(sorted(dtypes))))
+        return func(*args, **kwargs)
 
 
 def cases(cp: int) -> list[tuple[str, int, int, str]]:
@@ -74,9 +99,10 @@ def _attention_worker(cases: list) -> dict:
         timing = RingTiming() if impl == "ring" else None
         group.stats.reset()
         group.p2p_log = []  # what a traced step's replay would post again
-        out = context_parallel_attention(*mine, group, impl, timing=timing)
-        forward = group.stats.total_bytes
-        (out * shard_sequence(w, 2, cp, rank)).sum().backward()
+        with OpDtypes() as ops:
+            out = context_parallel_attention(*mine, group, impl, timing=timing)
+            forward = group.stats.total_bytes
+            (out * shard_sequence(w, 2, cp, rank)).sum().backward()
         log, group.p2p_log = group.p2p_log, None
         logged = [sum(math.prod(shape) * dt.itemsize for kind, shape, dt, _ in b.ops if kind == "send") for b in log]
         stamped = all(b.posted <= b.waited <= b.done for b in log)  # every batch posted, then waited on
@@ -101,9 +127,9 @@ def _attention_worker(cases: list) -> dict:
                 "stamped": stamped,
                 "own_within_waits": 0 <= own <= waited,
                 "timing": None if timing is None else (timing.compute_s, timing.wait_s, timing.transfers),
+                "ops": ops.seen,
             }
         )
-    chunked = _chunked_ring(group)
     q, k, v, _ = _inputs(4, 2, seed=0)
     before = group.stats.snapshot()
     overlap = measure_overlap(*(shard_sequence(x, 2, cp, rank) for x in (q, k, v)), group, repeats=1)
@@ -113,30 +139,7 @@ def _attention_worker(cases: list) -> dict:
         "cases": results,
         "overlap": (overlap.compute_s, overlap.wait_s, overlap.alone_s, overlap.hidden),
         "stats_kept": unchanged,
-        "chunked": chunked,
     }
-
-
-def _chunked_ring(group) -> dict:
-    """The ring with row chunks of a few rows (BLOCK_ELEMENTS tiny) against unsharded SDPA:
-    max |diff| of the output and q/k/v gradients, fp32, GQA."""
-    from threefold.distributed.context_parallel import ring
-
-    cp, rank = group.size, group.rank
-    q, k, v, w = _inputs(4, 2, seed=7)
-    ref = [x.clone().requires_grad_() for x in (q, k, v)]
-    out_ref = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
-    (out_ref * w).sum().backward()
-    mine = [shard_sequence(x, 2, cp, rank).requires_grad_() for x in (q, k, v)]
-    saved = ring.BLOCK_ELEMENTS, ring.MIN_ROWS
-    ring.BLOCK_ELEMENTS, ring.MIN_ROWS = 3 * BATCH * 4 * SEQ // cp, 1  # ~3 rows of a product
-    try:
-        out = context_parallel_attention(*mine, group, "ring")
-        (out * shard_sequence(w, 2, cp, rank)).sum().backward()
-    finally:
-        ring.BLOCK_ELEMENTS, ring.MIN_ROWS = saved
-    pairs = [("out", out, out_ref)] + [("d" + n, a.grad, b.grad) for n, a, b in zip("qkv", mine, ref)]
-    return {name: (got - shard_sequence(want, 2, cp, rank)).abs().max().item() for name, got, want in pairs}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda cp: f"cp{cp}")
@@ -167,6 +170,23 @@ def test_bytes_equal_analytic(spawned):
             assert sum(r["logged"]) == (expected.total if impl == "ring" else 0)
             assert len(r["logged"]) == (3 * cp - 2 if impl == "ring" else 0)
             assert r["stamped"] and r["own_within_waits"]
+
+
+def test_ring_blocks_run_on_the_fused_kernel_in_the_runs_dtype(spawned):
+    """Every ring block is one call of SDPA's fused CPU kernel (forward and backward) in the
+    inputs' dtype, bf16 included, and the ring runs no matmul of its own (today's fp32 block
+    products did)."""
+    cp, ranks = spawned
+    for n, (impl, heads, kv_heads, dtype) in enumerate(cases(cp)):
+        if impl != "ring":
+            continue
+        want = "torch.bfloat16" if dtype == "bf16" else "torch.float32"
+        for r in _case(ranks, n):
+            names = {name for name, _ in r["ops"]}
+            assert not names & MATMULS, (impl, heads, kv_heads, dtype, names & MATMULS)
+            fused = {(name, dts) for name, dts in r["ops"] if name in FUSED}
+            assert {name for name, _ in fused} == FUSED, names
+            assert all(want in dts for _, dts in fused), fused  # q, k, v in the run's dtype
 
 
 def test_ring_records_compute_and_waits(spawned):
@@ -214,8 +234,9 @@ def test_layout_round_trip_and_balance(cp):
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_block_plan_is_the_causal_mask(cp):
-    """Every (rank, block) pair's products cover exactly the query-key pairs causal attention
-    keeps, each once."""
+    """Every (rank, block) pair's fused call covers exactly the query-key pairs causal attention
+    keeps, each once: a causal call is square (the kernel's causal mask is the plain lower
+    triangle only there)."""
     seq = 4 * cp
     c = seq // (2 * cp)
     for i in range(cp):
@@ -224,44 +245,12 @@ def test_block_plan_is_the_causal_mask(cp):
             cols = local_indices(seq, cp, j)
             keep = rows[:, None] >= cols[None, :]
             count = torch.zeros(keep.shape, dtype=torch.long)
-            for r, k, diagonal in block_plan(i, j, c):
-                part = torch.ones(2 * c, 2 * c, dtype=torch.long)[r, k]
-                count[r, k] += part if diagonal is None else part.tril(diagonal)
+            r, k, causal = block_plan(i, j, c)
+            part = torch.ones(2 * c, 2 * c, dtype=torch.long)[r, k]
+            count[r, k] += part.tril() if causal else part
             assert torch.equal(count, keep.long()), (i, j)
-
-
-def test_ring_in_row_chunks_matches_unsharded(spawned):
-    """Products split into row chunks of ~3 rows give the same rows and gradients (1e-5)."""
-    cp, ranks = spawned
-    for name in ("out", "dq", "dk", "dv"):
-        within(f"cp{cp} chunked ring {name} diff", max(r["chunked"][name] for r in ranks), TOL["fp32"])
-
-
-@pytest.mark.parametrize("limit", [1, 40, 100, 1 << 20])
-def test_row_chunks_cover_each_product_once(limit, monkeypatch):
-    """Row chunks of every block_plan product cover exactly the product's causal pairs, each once,
-    and hold at most BLOCK_ELEMENTS scores (MIN_ROWS rows at the least: 1 here, 64 by default)."""
-    from threefold.distributed.context_parallel import ring
-
-    monkeypatch.setattr(ring, "BLOCK_ELEMENTS", limit)
-    monkeypatch.setattr(ring, "MIN_ROWS", 1)
-    cp, c, width = 4, 6, 2
-    for i in range(cp):
-        for j in range(cp):
-            for rows, cols, diagonal in block_plan(i, j, c):
-                n_cols = cols.stop - cols.start
-                want = torch.zeros(2 * c, n_cols, dtype=torch.long)
-                part = torch.ones(rows.stop - rows.start, n_cols, dtype=torch.long)
-                want[rows] = part if diagonal is None else part.tril(diagonal)
-                got = torch.zeros_like(want)
-                for sub, seen, diag in ring.row_chunks(rows, n_cols, diagonal, width):
-                    ones = torch.ones(sub.stop - sub.start, seen, dtype=torch.long)
-                    got[sub, :seen] += ones if diag is None else ones.tril(diag)
-                    assert (sub.stop - sub.start) == 1 or (sub.stop - sub.start) * n_cols * width <= limit
-                assert torch.equal(got, want), (i, j, rows, limit)
-    monkeypatch.setattr(ring, "MIN_ROWS", 4)
-    monkeypatch.setattr(ring, "BLOCK_ELEMENTS", 1)
-    assert [r for r, _, _ in ring.row_chunks(slice(0, 12), 12, None, 2)] == [slice(0, 4), slice(4, 8), slice(8, 12)]
+            if causal:
+                assert r == k
 
 
 def test_sequence_not_divisible_is_refused():

@@ -4,14 +4,18 @@ same under TP/SP/PP as in one process."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from threefold.config import build_config
 from threefold.data.documents import document_layout, document_separator
 from threefold.errors import ConfigError
+from threefold.model import layers
 from threefold.model.init import init_weights
 from threefold.model.layers import AttentionCore
 from threefold.model.transformer import Transformer
@@ -58,6 +62,92 @@ def test_one_attention_row_is_the_hand_computed_masked_softmax():
         torch.testing.assert_close(out[0, h, 5], want, rtol=1e-5, atol=1e-6)
     unmasked = AttentionCore()(q, k, v)
     assert not torch.allclose(out[0, :, 5], unmasked[0, :, 5])  # the causal row sees keys 0-2 too
+
+
+def _reference_attention(q, k, v, mask):
+    """Masked GQA attention by hand in float64: every query head's kv head repeated, the scores
+    materialized, the keys outside the mask at -inf."""
+    k, v = (t.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1, output_size=q.shape[1]) for t in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+def _cuda_kernel_rules(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """torch._fused_sdp_choice as CUDA answers it for these calls: flash refuses an explicit
+    mask, the memory-efficient kernel refuses enable_gqa, so a masked GQA call gets math."""
+    if attn_mask is None:
+        return SDPBackend.FLASH_ATTENTION.value
+    return (SDPBackend.MATH if enable_gqa else SDPBackend.EFFICIENT_ATTENTION).value
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """The (k heads, enable_gqa) of every SDPA call made while the test runs."""
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def recording(q, k, v, *args, **kwargs):
+        calls.append((k.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    layers._served_by.cache_clear()  # the kernel choice is cached per kind of call
+    yield calls
+    layers._served_by.cache_clear()
+
+
+def _packed_qkv(requires_grad: bool = True):
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(1, 256, (2, 48), generator=gen)
+    tokens[0, [5, 20, 21, 40]] = SEP
+    tokens[1, [30]] = SEP
+    q, k, v = (torch.randn(2, h, 48, 16, generator=gen, requires_grad=requires_grad) for h in (8, 2, 2))
+    return q, k, v, document_layout(tokens, SEP).mask
+
+
+@pytest.mark.parametrize("kernels", ["this device", "cuda rules"])
+def test_masked_gqa_attention_equals_the_math_reference(kernels, sdpa_calls, monkeypatch):
+    """Forward and gradients of masked GQA attention (8 query heads, 2 kv heads) equal the
+    float64 math reference, as this device serves it and where SDPA would fall to its math
+    kernel (CUDA's rules): there the core expands K/V to the query heads for a fused kernel."""
+    if kernels == "cuda rules":
+        monkeypatch.setattr(torch, "_fused_sdp_choice", _cuda_kernel_rules)
+    q, k, v, mask = _packed_qkv()
+    core = AttentionCore()
+    out = core(q, k, v, mask=mask)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want_out = _reference_attention(q, k, v, mask)
+    want = torch.autograd.grad(want_out, (q, k, v), grad.double())  # back in fp32, as q, k, v
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-6)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"d{name}: {m}")
+    if kernels == "cuda rules":  # one fused call with K/V at the query heads; the causal one stays GQA
+        assert sdpa_calls == [(8, False)] and core.served_by(q, k, v, mask) == "efficient", sdpa_calls
+        core(q, k, v)
+        assert sdpa_calls[-1] == (2, True) and core.served_by(q, k, v) == "flash"
+    else:  # CPU's flash kernel takes the mask and GQA: K/V stay at kv heads (memory, no copy)
+        assert sdpa_calls == [(2, True)] and core.served_by(q, k, v, mask) == "flash", sdpa_calls
+
+
+@pytest.mark.parametrize("restrict", [None, SDPBackend.MATH], ids=["every kernel", "math alone"])
+def test_served_by_names_the_kernel_that_ran(restrict):
+    """What AttentionCore.served_by reports (what a GPU run records) is the aten kernel the
+    profiler sees run, forward and backward, with every kernel allowed and with math alone."""
+    from torch.profiler import profile
+
+    ops = {
+        "flash": "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "math": "aten::_scaled_dot_product_attention_math",
+    }
+    q, k, v, mask = _packed_qkv()
+    core = AttentionCore()
+    with sdpa_kernel([restrict]) if restrict else contextlib.nullcontext():
+        served = core.served_by(q, k, v, mask)
+        with profile() as prof:
+            core(q, k, v, mask=mask).sum().backward()
+    ran = {e.name for e in prof.events()}
+    assert served == ("math" if restrict else "flash"), served
+    assert ops[served] in ran and not any(op in ran for name, op in ops.items() if name != served), ran
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -108,17 +198,19 @@ def test_rope_restarts_at_each_document():
     assert not torch.allclose(seen["q"][:, :, 5], plain[:, :, 5])  # position 1 is rotated
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recompute_reruns_with_the_mask(mode):
+@pytest.mark.parametrize("mode, kernels", [("selective", "math"), ("full", "math"), ("full", "all")])
+def test_recompute_reruns_with_the_mask(mode, kernels):
+    """Selective recompute reruns only a core that materializes its scores: the math kernel."""
     from threefold.model.recompute import apply_recompute
 
     packed = torch.tensor([[5, 6, SEP, 7, 8, 9, SEP, 4, 3, 2, 1, SEP, 9, 9, 8, 7]])
     targets = packed.roll(-1, 1)
     docs = document_layout(packed, SEP)
     grads = []
-    for model in (_model("llama"), apply_recompute(_model("llama"), mode)):
-        model(packed, targets, documents=docs).backward()
-        grads.append(model.layers["0"].attn.wq.weight.grad)
+    with sdpa_kernel([SDPBackend.MATH]) if kernels == "math" else contextlib.nullcontext():
+        for model in (_model("llama"), apply_recompute(_model("llama"), mode)):
+            model(packed, targets, documents=docs).backward()
+            grads.append(model.layers["0"].attn.wq.weight.grad)
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
 
 

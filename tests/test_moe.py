@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from threefold.errors import ConfigError
 from threefold.model.moe import MoE, route
 from threefold.model.transformer import Transformer
 from threefold.observe.flops import active_params, total_params, train_flops_per_token
+from threefold.observe.trace import check_trace
 from threefold.validate import validate
 
 from harness import CALM_LR, assert_parity, run_training, run_training_many
@@ -235,6 +237,20 @@ def test_single_process_moe_reports_expert_load(ep1_run, capacity_run):
     assert all("moe_expert_tokens" not in r for r in ep1_run[: INTERVAL - 1])  # no per-step gather
     assert last["moe_dropped_tokens"] == 0 and 0.5 < last["moe_aux_loss"] < 2
     assert any(r.get("moe_dropped_tokens", 0) > 0 for r in capacity_run)
+
+
+def test_a_traced_step_of_an_expert_parallel_run_replays_its_gradient_collectives(tmp_path, cache_dir):
+    """log.trace_steps on an MoE run (dp 2 x ep 2): the step's gradient collectives (the dense
+    engine's over dp, the experts' over expert_dp) are replayed alone (dp_comm_serial_s), and
+    both ranks' spans reach trace.json."""
+    over = {**MODEL, "parallel.dp": 2, "parallel.ep": 2, "train.steps": 3, "log.trace_steps": "2"}
+    run = run_training(over, tmp_path, cache_dir)
+    assert [r["step"] for r in run] == [1, 2, 3]
+    assert run[1]["dp_comm_serial_s"] > 0
+    assert all("dp_comm_serial_s" not in run[i] for i in (0, 2))  # measured on traced steps only
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert check_trace(trace) == []
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
 
 
 @pytest.fixture(scope="module")

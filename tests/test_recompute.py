@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from threefold.distributed.parallelize import build_model
@@ -32,6 +33,23 @@ def test_modes_wrap_the_right_modules_and_keep_names():
         assert marks == [True] * (layers or len(blocks)) + [False] * (len(blocks) - (layers or len(blocks)))
     with pytest.raises(ValueError, match="valid: none, selective, full"):
         apply_recompute(Transformer(cfg.model), "some", 0)
+
+
+@pytest.mark.parametrize("attention, reruns", [("flash", 0), ("math", 1)])
+def test_selective_reruns_only_a_core_that_materializes_its_scores(attention, reruns, monkeypatch):
+    """Selective recompute drops the s x s scores of an unfused core (Korthikanti et al.) by
+    rerunning it in backward; a fused core keeps no such tensor, so it runs once."""
+    cfg, model = _model(**{"train.recompute": "selective"})
+    assert all(b.attn.core.recomputed for b in model.layers.values())
+    calls, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    tokens = torch.randint(0, cfg.model.vocab, (2, cfg.model.seq_len), generator=torch.Generator().manual_seed(0))
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}[attention]
+    with sdpa_kernel([backend]):
+        loss = model(tokens, tokens)
+        forward = len(calls)
+        loss.backward()
+    assert forward == cfg.model.layers and len(calls) - forward == reruns * cfg.model.layers, (forward, len(calls))
 
 
 def test_dropout_masks_are_reproduced_exactly():

@@ -141,6 +141,41 @@ def test_a_sigterm_in_a_step_that_then_hangs_exits_when_the_step_is_stuck(monkey
     assert exits == ([] if settles else [143])
 
 
+class _QueuedEvent:
+    """A device event as completion_event records it: done once the device got there."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+@pytest.mark.parametrize("completes", [False, True])
+def test_a_step_settles_when_its_agreements_event_completes_not_when_it_is_queued(monkeypatch, completes):
+    # On CUDA the agreement's all-reduce is only queued when the call returns, and the host runs
+    # on into the next step (reads one step late): a rank whose device is hung in that
+    # collective is stuck, whatever the host did meanwhile. The watch polls the event.
+    import threefold.train.signals as signals
+
+    monkeypatch.setattr(signals, "STUCK_S", 0.3)
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    stop = StopSignals(speaks=False)
+    stop.boundary()
+    event = _QueuedEvent()
+    stop.settled(event)  # queued, not done
+    stop._handle(signal.SIGTERM, None)
+    assert stop._watch is not None and stop._watch.is_alive()
+    stop.boundary()  # the host moves on to the next step
+    if completes:
+        event.done = True
+    stop._watch.join(timeout=5)
+    assert not stop._watch.is_alive()
+    assert exits == ([] if completes else [143])
+    assert signals.completion_event(__import__("torch").device("cpu")) is None  # the CPU's call returned done
+
+
 @pytest.mark.parametrize("lag", [0, 1])
 def test_every_rank_stops_after_the_step_whose_read_shows_the_signal(data, tmp_path, lag):
     """In-process, the loop read at once (CPU) and one step late (CUDA): the signal seen at step 6's

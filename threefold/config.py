@@ -149,6 +149,9 @@ class TrainConfig:
     device: str = knob("auto", "Device type: auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
     threads: int = knob(1, "Intra-op threads per worker on CPU")
     timeout_s: float = knob(300.0, "Collective timeout: a hung rank fails the job after this long")
+    startup_timeout_s: float = knob(
+        1800.0, "Collective timeout while a rank builds, resumes, compiles its first step or saves (>= timeout_s)"
+    )
     max_restarts: int = knob(0, "Times the elastic agent restarts failed workers (they resume from checkpoint.dir)")
     preempt_grace_s: float = knob(
         30.0, "After SIGINT/SIGTERM, how long workers may take to save before they are killed"

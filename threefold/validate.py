@@ -229,6 +229,13 @@ def validate_train(cfg: Config) -> None:
     _positive("train.warmup_steps", t.warmup_steps, allow_zero=True)
     _positive("train.threads", t.threads)
     _positive("train.timeout_s", t.timeout_s)
+    _positive("train.startup_timeout_s", t.startup_timeout_s)
+    if t.startup_timeout_s < t.timeout_s:
+        raise ConfigError(
+            "train.startup_timeout_s",
+            f"{t.startup_timeout_s:g} is shorter than train.timeout_s ({t.timeout_s:g})",
+            "valid: >= train.timeout_s",
+        )
     _positive("train.max_restarts", t.max_restarts, allow_zero=True)
     _positive("train.preempt_grace_s", t.preempt_grace_s)
     _positive("train.nan_rollback_after", t.nan_rollback_after, allow_zero=True)

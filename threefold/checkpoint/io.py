@@ -41,15 +41,41 @@ from threefold.checkpoint.state import LocalTensor
 from threefold.distributed import comm
 
 
-def snapshot(tensors: list[LocalTensor], copy: bool) -> list[tuple[LocalTensor, torch.Tensor]]:
-    """This rank's tensors to write, on the host. `copy=True` clones them (an async save must
-    not see the next optimizer step); a synchronous save writes CPU tensors in place."""
-    out = []
-    for t in tensors:
-        if t.write:
-            host = t.tensor.detach().to("cpu", copy=copy)
-            out.append((t, host.contiguous()))
-    return out
+def snapshot(tensors: list[LocalTensor]) -> list[tuple[LocalTensor, torch.Tensor]]:
+    """This rank's tensors to write, on the host, for a synchronous save: CPU tensors in place
+    (nothing changes them before the write ends), others copied down."""
+    return [(t, t.tensor.detach().to("cpu").contiguous()) for t in tensors if t.write]
+
+
+class HostSnapshot:
+    """Host copies of this rank's tensors for an asynchronous save, which must not see the next
+    optimizer step. The buffers are allocated at the first save and kept while the tensors keep
+    their shapes, dtypes and devices (one allocation per run, not a clone of the state per save).
+    Where a tensor lives on an accelerator its buffer is pinned, so every copy is enqueued
+    non-blocking on the current stream behind the step that produced the values, and one sync
+    per device ends the snapshot; on CPU a buffer is plain memory and the copy a memcpy.
+    take() overwrites the buffers: the write of the previous snapshot must have finished
+    (Checkpointer.save waits for it first)."""
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor] = []
+        self._layout: list[tuple] = []
+
+    def take(self, tensors: list[LocalTensor]) -> list[tuple[LocalTensor, torch.Tensor]]:
+        writes = [t for t in tensors if t.write]
+        layout = [(tuple(t.tensor.shape), t.tensor.dtype, t.tensor.device) for t in writes]
+        if layout != self._layout:
+            self.buffers = [
+                torch.empty(shape, dtype=dtype, device="cpu", pin_memory=device.type != "cpu")
+                for shape, dtype, device in layout
+            ]
+            self._layout = layout
+        with torch.no_grad():
+            for buffer, t in zip(self.buffers, writes):
+                buffer.copy_(t.tensor, non_blocking=True)
+        for device in {device for _, _, device in layout if device.type != "cpu"}:
+            torch.accelerator.synchronize(device)
+        return list(zip(writes, self.buffers))
 
 
 def save(
@@ -64,7 +90,7 @@ def save(
 ) -> Path | None:
     """Write a checkpoint of `step` (collective over `group`, None = the job's default group);
     returns its directory on rank 0."""
-    return write(root, step, snapshot(tensors, copy=False), config, layout, extra, keep, group)
+    return write(root, step, snapshot(tensors), config, layout, extra, keep, group)
 
 
 def write(
@@ -257,4 +283,4 @@ def save_whole(
     the same write and atomic publish as a training save: an imported model is then an ordinary
     checkpoint that any layout loads by slicing."""
     whole = [LocalTensor(name, t, tuple(t.shape), (0,) * t.dim(), True) for name, t in tensors.items()]
-    return write(root, step, snapshot(whole, copy=False), config, layout, extra, group=comm.Group("self", [0], None))
+    return write(root, step, snapshot(whole), config, layout, extra, group=comm.Group("self", [0], None))

@@ -21,6 +21,7 @@ from threefold.checkpoint.io import files_read_by
 from threefold.checkpoint.manifest import MANIFEST, CheckpointError, Manifest, list_checkpoints, verify, verify_index
 from threefold.checkpoint.state import LocalTensor
 from threefold.distributed import comm
+from threefold.distributed.runtime import patient
 
 
 def choose(
@@ -35,7 +36,15 @@ def choose(
     world, on the run's device). `root`: its newest checkpoint that verifies on every rank, or
     None (`at_most`: of step at most that). `path`: that checkpoint directory, or the newest under
     that root; CheckpointError on every rank when it is not there or does not verify. `warn`
-    reports skipped checkpoints."""
+    reports skipped checkpoints. The ranks wait for each other under the group's long deadline
+    (distributed/runtime.py): rank 0 lists and reads the candidates, each rank hashes its files."""
+    with patient(group):
+        return _choose(tensors, group, root, path, warn, at_most)
+
+
+def _choose(
+    tensors: list[LocalTensor], group: comm.Group, root, path, warn, at_most: int | None
+) -> tuple[Path, Manifest] | None:
     skipped: set[str] = set()
     while True:
         pick = None

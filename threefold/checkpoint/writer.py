@@ -1,12 +1,13 @@
 """`Checkpointer`: synchronous or asynchronous saves for the training loop.
 
-Asynchronous (`checkpoint.async`): the loop pays only for copying this rank's tensors to host
-memory; a background thread writes, fsyncs and checksums this rank's file and does nothing
-else. The metadata round (reports to rank 0, manifest, rename, `latest` last, the outcome
-broadcast) needs every rank at the same point, so it runs on the caller's thread, on the main
-communicator, at the first report step after the save (every log.interval steps; the
-training loop calls wait()), when the next save begins, or at close (the end of training, a
-rollback): a crash before then leaves the previous checkpoint. No second process group is
+Asynchronous (`checkpoint.async`): the loop pays only for copying this rank's tensors into
+host buffers kept for the run (io.HostSnapshot: pinned for accelerator tensors, non-blocking
+copies, one sync); a background thread writes, fsyncs and checksums this rank's file and does
+nothing else. The metadata round (reports to rank 0, manifest, rename, `latest` last, the
+outcome broadcast) needs every rank at the same point, so it runs on the caller's thread, on
+the main communicator, at the first report step after the save (every log.interval steps;
+the training loop calls wait()), when the next save begins, or at close (the end of training,
+a rollback): a crash before then leaves the previous checkpoint. No second process group is
 needed: the training thread is the only one that communicates, so collectives stay in the same
 order on every rank (and object collectives on NCCL use the current device, which only the main
 thread sets).
@@ -17,9 +18,10 @@ from __future__ import annotations
 import threading
 import time
 
-from threefold.checkpoint.io import publish, snapshot, write_shards
+from threefold.checkpoint.io import HostSnapshot, publish, snapshot, write_shards
 from threefold.checkpoint.state import LocalTensor
 from threefold.distributed import comm
+from threefold.distributed.runtime import patient
 
 
 class Checkpointer:
@@ -41,16 +43,18 @@ class Checkpointer:
         self.group = group or comm.job_group()
         self._thread: threading.Thread | None = None
         self._pending: tuple[int, dict, dict] | None = None  # step, extra, {"report": ...} of the save in flight
+        self.host = HostSnapshot()  # an asynchronous save's buffers, reused from save to save
 
     def save(self, step: int, extra: dict) -> float:
         """Save `step`; returns the seconds the caller was blocked (publishing the previous
         save, copying to host memory, and for a synchronous save all of the writing)."""
         t0 = time.perf_counter()
-        self.wait()
-        shards = snapshot(self.state, copy=self.asynchronous)
+        self.wait()  # the buffers the snapshot overwrites are free once the last write ended
         if not self.asynchronous:
+            shards = snapshot(self.state)
             self._publish(step, extra, write_shards(self.root, step, shards, self.group.rank))
             return time.perf_counter() - t0
+        shards = self.host.take(self.state)
         box: dict = {}
         self._pending = (step, extra, box)
         self._thread = threading.Thread(
@@ -63,7 +67,10 @@ class Checkpointer:
         box["report"] = write_shards(self.root, step, shards, self.group.rank)  # file I/O only
 
     def _publish(self, step: int, extra: dict, report: dict) -> None:
-        directory = publish(self.root, step, report, self.config, self.layout, extra, self.keep, self.group)
+        # The ranks that write (dp rank 0 alone under ZeRO 0) come here after their files are
+        # written, rank 0 prunes after the outcome: the others wait under the long deadline.
+        with patient(self.group):
+            directory = publish(self.root, step, report, self.config, self.layout, extra, self.keep, self.group)
         self.on_published(step, directory)
 
     @property

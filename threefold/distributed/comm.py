@@ -70,6 +70,18 @@ class CommStats:
 
 
 @dataclass
+class Deadlines:
+    """How long this rank's collectives on a group wait for its peers: `regular` (train.timeout_s),
+    or `patient` (train.startup_timeout_s) while `open_phases` > 0: phases in which some rank does
+    long host work that its peers wait through with collectives already issued (start-up and the
+    first step's compilation, a save, a resume; distributed/runtime.py opens and closes them)."""
+
+    regular: timedelta
+    patient: timedelta
+    open_phases: int = 0
+
+
+@dataclass
 class Group:
     """One process group as seen from this rank: its members, our index, the torch handle, where
     it communicates, and the communication it carried (recorded by the functions below)."""
@@ -88,6 +100,8 @@ class Group:
     p2p_log: list | None = field(default=None, compare=False, repr=False)
     """While a list (the observer sets one on traced steps): a P2PBatch for every batch that
     batch_send_recv posts, so the same traffic can be timed alone (context_parallel.overlap)."""
+    deadlines: Deadlines | None = field(default=None, compare=False, repr=False)
+    """A training run's two timeouts for this group (None: it keeps the one it was made with)."""
 
     @property
     def size(self) -> int:
@@ -269,6 +283,13 @@ def wait(work, group: Group) -> None:
 def barrier(group: Group) -> None:
     if group.size > 1:
         dist.barrier(group=group.pg)
+
+
+def set_timeout(group: Group, timeout: timedelta) -> None:
+    """The deadline of the collectives this rank issues on `group` from now on. torch gives a
+    collective its group's timeout when it is issued (NCCL's watchdog ignores barrier(timeout=))."""
+    if group.pg is not None:
+        dist.distributed_c10d._set_pg_timeout(timeout, group.pg)
 
 
 # --- point to point ----------------------------------------------------------------------------

@@ -1,15 +1,34 @@
-"""Process-group start-up and orderly shutdown for one worker (under torchrun or in-process)."""
+"""Process-group start-up and orderly shutdown for one worker (under torchrun or in-process), and
+the phases whose collectives wait longer than train.timeout_s.
+
+    give_deadlines(grid, timeout_s, startup_s)  # start-up: every group waits startup_s ...
+    startup_done(grid)                          # ... until after the first step; then timeout_s
+    with patient(grid.world): save()            # startup_s again while one rank writes or hashes
+
+A phase ends with a barrier under its long deadline before the regular one returns, so no rank
+issues a collective under the short deadline while a peer is still inside the phase. On NCCL a
+collective gets its group's deadline when it is issued and the watchdog aborts the rank when it
+runs out (barrier(timeout=) is ignored there), so the deadline is set on the groups themselves
+(comm.set_timeout); NCCL's barrier blocks the host until it has completed, which also drains the
+work queued before it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 
 from threefold.distributed import comm
 from threefold.errors import ConfigError
+
+if TYPE_CHECKING:
+    from threefold.distributed.grid import Grid
 
 
 @dataclass(frozen=True)
@@ -73,3 +92,73 @@ def init_distributed(device: torch.device, timeout_s: float) -> WorkerEnv:
 def shutdown_distributed() -> None:
     """Leave the job's group together with the other ranks (comm.leave)."""
     comm.leave()
+
+
+def abandon_distributed() -> None:
+    """Destroy this process's groups, if any are left, without waiting for the other ranks (a
+    failed worker's peers may be gone): a later run in the same process can join a new group."""
+    if comm.is_initialized():
+        comm.destroy_group(None)
+
+
+def _distinct(groups: Iterable[comm.Group]) -> list[comm.Group]:
+    """Each Group object once (dp_cp is dp without cp), those with a communicator."""
+    seen: dict[int, comm.Group] = {}
+    for group in groups:
+        if group.pg is not None:
+            seen.setdefault(id(group), group)
+    return list(seen.values())
+
+
+def give_deadlines(grid: Grid, timeout_s: float, startup_s: float) -> None:
+    """Every group of `grid` waits `startup_s` (train.startup_timeout_s) until startup_done(grid):
+    building, resuming and compiling happen rank by rank while peers wait in collectives they
+    issued. After it, `timeout_s` (train.timeout_s), and `startup_s` again inside patient()."""
+    regular, long = timedelta(seconds=timeout_s), timedelta(seconds=startup_s)
+    for group in _distinct(grid.groups.values()):
+        group.deadlines = comm.Deadlines(regular, long)
+    _open(grid.groups.values())
+
+
+def startup_done(grid: Grid) -> None:
+    """The start-up phase give_deadlines opened ends (collective over the world: a barrier under
+    its deadline); the regular deadline holds from here. Called again, it does nothing."""
+    if any(g.deadlines is not None and g.deadlines.open_phases for g in _distinct([grid.world])):
+        _close(grid.groups.values(), grid.world)
+
+
+@contextlib.contextmanager
+def patient(group: comm.Group) -> Iterator[None]:
+    """Collectives on `group` inside wait its patient deadline (a no-op for a group without
+    deadlines); collective: every rank of `group` enters and leaves it together. A phase left by
+    an exception ends without its barrier (a rank that failed may have peers that did not)."""
+    opened = _open([group])
+    try:
+        yield
+    except BaseException:
+        _close(opened, None)
+        raise
+    _close(opened, group)
+
+
+def _open(groups: Iterable[comm.Group]) -> list[comm.Group]:
+    """One more open phase on each group with deadlines; those it makes patient wait that long."""
+    opened = [g for g in _distinct(groups) if g.deadlines is not None]
+    for group in opened:
+        group.deadlines.open_phases += 1
+        if group.deadlines.open_phases == 1:
+            comm.set_timeout(group, group.deadlines.patient)
+    return opened
+
+
+def _close(groups: Iterable[comm.Group], barrier: comm.Group | None) -> None:
+    """One phase fewer on each group; where the last one closes, the regular deadline returns,
+    after a barrier on `barrier` (under the patient deadline) when one is given."""
+    ending = [g for g in _distinct(groups) if g.deadlines is not None and g.deadlines.open_phases == 1]
+    if ending and barrier is not None:
+        comm.barrier(barrier)
+    for group in _distinct(groups):
+        if group.deadlines is not None and group.deadlines.open_phases > 0:
+            group.deadlines.open_phases -= 1
+            if group.deadlines.open_phases == 0:
+                comm.set_timeout(group, group.deadlines.regular)

@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend
 
 from threefold.config import ModelConfig
 from threefold.model.moe import MoE, is_moe_layer
@@ -74,14 +75,16 @@ def _rope_constants(seq_len: int, head_dim: int, theta: float, device: torch.dev
 
 
 def mark_for_compile() -> None:
-    """Before the first torch.compile of a block (model/compile.py): the dW store stays eager
-    and the RoPE tables become graph constants. Applied then, not at import: the compiler's
-    markers import the compiler stack (dynamo, sympy: seconds), which an eager run never needs.
-    Both markers leave eager calls as they were."""
-    global _deferred_linear, _rope_constants
+    """Before the first torch.compile of a block (model/compile.py): the dW store stays eager,
+    the RoPE tables and the attention kernel choice become graph constants. Applied then, not
+    at import: the compiler's markers import the compiler stack (dynamo, sympy: seconds), which
+    an eager run never needs. The markers leave eager calls as they were."""
+    global _deferred_linear, _rope_constants, _attention_form
     if not getattr(_rope_constants, "marked", False):
         _deferred_linear = torch.compiler.disable(_deferred_linear)
         _rope_constants = torch.compiler.assume_constant_result(_rope_constants)
+        # The kernel choice is host logic dynamo cannot trace; constant for a compiled graph.
+        _attention_form = torch.compiler.assume_constant_result(_attention_form)
         _rope_constants.marked = True
 
 
@@ -93,19 +96,111 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
+def expand_kv_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V [batch, kv_heads, seq, hd] repeated to `heads` query heads, query head i reading
+    kv head i // (heads / kv_heads) as SDPA's enable_gqa does (an expand and one copy: the
+    repeat count comes from shapes, so nothing is read from the device)."""
+    b, kv, s, hd = t.shape
+    return t[:, :, None].expand(b, kv, heads // kv, s, hd).reshape(b, heads, s, hd)
+
+
+_BACKEND_NAMES = {
+    SDPBackend.MATH: "math",
+    SDPBackend.FLASH_ATTENTION: "flash",
+    SDPBackend.EFFICIENT_ATTENTION: "efficient",
+    SDPBackend.CUDNN_ATTENTION: "cudnn",
+    SDPBackend.OVERRIDEABLE: "overrideable",
+}
+FUSED_BACKENDS = ("flash", "efficient", "cudnn", "overrideable")
+"""SDPA kernels that never materialize the seq x seq scores (all but "math")."""
+
+
+def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> str:
+    """The SDPA kernel that serves this call (causal when `mask` is None, GQA when k has fewer
+    heads than q) under the current sdpa_kernel settings: one of FUSED_BACKENDS, "math" (the
+    one that materializes the scores) or "none" (every kernel refuses). Host-side dispatch
+    logic on shapes, dtypes and devices: no device work, no sync."""
+    gqa = q.shape[1] != k.shape[1]
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, mask is None, enable_gqa=gqa)
+    except RuntimeError:  # "No viable backend": sdpa_kernel left no kernel that takes the call
+        return "none"
+    return _BACKEND_NAMES.get(SDPBackend(choice), "none")
+
+
+# SDPA's kernel rules that decide here (device, dtype, head dim, heads, a mask, GQA, grad) do
+# not read the sequence length; a short probe keeps the check from allocating a layer's worth.
+_PROBE_SEQ = 128
+
+
+@functools.lru_cache(maxsize=64)
+def _served_by(device, dtype, heads, kv_heads, head_dim, grad, masked, settings) -> str:
+    """sdpa_backend of an attention call of this kind, on empty probe tensors (cached per
+    kind and sdpa_kernel `settings`)."""
+    q, k, v = (
+        torch.empty(1, h, _PROBE_SEQ, head_dim, device=device, dtype=dtype, requires_grad=grad)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    mask = torch.empty(1, 1, _PROBE_SEQ, _PROBE_SEQ, device=device, dtype=torch.bool) if masked else None
+    return sdpa_backend(q, k, v, mask)
+
+
+def _sdpa_settings() -> tuple:
+    """What sdpa_kernel sets and the dispatcher reads: the enabled kernels and their priority."""
+    b = torch.backends.cuda
+    enabled = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(), b.cudnn_sdp_enabled())
+    return enabled + tuple(torch._C._get_sdp_priority_order())
+
+
+def _attention_form(device, dtype, heads, kv_heads, head_dim, grad, masked) -> tuple[bool, str]:
+    """(expand K/V to the query heads, the kernel that then serves the call). GQA calls stay
+    GQA (K/V kept at kv heads, in memory and in what backward saves) unless no fused kernel
+    takes them and one takes the expanded form: on CUDA flash refuses a mask and the efficient
+    kernel refuses enable_gqa, so a masked GQA call would fall to the math kernel. CPU's flash
+    kernel takes both; bench/document_mask_attention.py times the two forms alike there."""
+    settings = _sdpa_settings()
+    served = _served_by(device, dtype, heads, kv_heads, head_dim, grad, masked, settings)
+    if heads == kv_heads or served in FUSED_BACKENDS:
+        return False, served
+    expanded = _served_by(device, dtype, heads, heads, head_dim, grad, masked, settings)
+    return (True, expanded) if expanded in FUSED_BACKENDS else (False, served)
+
+
 class AttentionCore(nn.Module):
     """softmax(QK^T/sqrt(d))V with a causal mask, or the boolean `mask` [batch, 1, seq, seq]
-    (data.document_mask: block-diagonal causal); its own module so selective recompute can wrap it."""
+    (data.document_mask: block-diagonal causal), on a fused SDPA kernel wherever one takes the
+    call (_attention_form); its own module so selective recompute can wrap it."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         # q: [batch, heads, seq, hd]; k, v: [batch, kv_heads, seq, hd]
+        if self._form(q, k, v, mask)[0]:
+            k, v = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
         gqa = q.shape[1] != k.shape[1]
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        # An explicit mask rules out the flash kernel on CUDA (efficient/math kernels instead).
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    @staticmethod
+    def _form(q, k, v, mask) -> tuple[bool, str]:
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        return _attention_form(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[3], grad, mask is not None)
+
+    def expands_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
+        """Whether forward(q, k, v, mask) expands K/V to the query heads."""
+        return self._form(q, k, v, mask)[0]
+
+    def served_by(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> str:
+        """The SDPA kernel that serves forward(q, k, v, mask) (see sdpa_backend)."""
+        return self._form(q, k, v, mask)[1]
+
+    def materializes_scores(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> bool:
+        """Whether forward(q, k, v, mask) runs on the math kernel, which saves the seq x seq
+        probabilities for backward: what selective recompute drops (model/recompute.py)."""
+        return self.served_by(q, k, v, mask) == "math"
 
 
 class Attention(nn.Module):

@@ -1,9 +1,16 @@
-"""Mixture of experts: a top-k softmax router and experts computed as one batched matmul.
+"""Mixture of experts: a top-k softmax router and experts computed as one grouped GEMM.
 
     x -> router (fp32 logits) -> softmax -> top-k experts per token (+ weights)
-      -> capacity rule (optional dropping) -> tokens sorted by expert
-      -> dispatcher.run(tokens, counts, experts)   (local here; all-to-all under expert parallelism)
+      -> capacity rule (optional dropping) -> assignments sorted by expert (dropped ones last)
+      -> dispatcher.run(rows, counts, experts)   (local here; all-to-all under expert parallelism)
       -> weighted sum of each token's expert outputs (+ shared expert)
+
+Nothing on this path waits for the device: the sort has a fixed size (all tokens x top_k
+assignments, dropped ones sorted last), the counts are a scatter-add, and the experts run as
+one `torch._grouped_mm` over the sorted rows, cut by offsets that stay on the device. Where
+that kernel is not the device's fast path, the experts fall back to one batched matmul over
+rows padded to the largest count, which reads that count on the host once (`Experts.gemm`).
+Expert parallelism adds the one read its all-to-all needs: the split sizes.
 
 Balance is enforced by the Switch/GShard load-balancing loss E * sum_e f_e * P_e (f_e: share
 of routed assignments to expert e, P_e: mean router probability of e; 1.0 when balanced) and
@@ -26,6 +33,7 @@ checkpoints and sharding treat them like any row-sharded matrix.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -52,45 +60,140 @@ class StackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num, rows, in] -> [num, rows, out]: one batched matmul for all experts."""
-        return torch.bmm(x, self.weight.view(self.num, self.out_features, self.in_features).transpose(1, 2))
+        return torch.bmm(x, self._per_expert())
+
+    def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """x [rows, in], rows [offsets[e-1], offsets[e]) for expert e -> [rows, out]; rows past
+        offsets[-1] belong to no expert and their outputs are left unwritten."""
+        weight = self._per_expert()
+        if weight.data_ptr() % _GROUPED_ALIGN:  # a view into a flat buffer at an odd offset
+            weight = weight.clone()
+        return torch._grouped_mm(x, weight, offs=offsets)
+
+    def _per_expert(self) -> torch.Tensor:
+        return self.weight.view(self.num, self.out_features, self.in_features).transpose(1, 2)
 
     def extra_repr(self) -> str:
         return f"experts={self.num}, in={self.in_features}, out={self.out_features}"
 
 
+GEMMS = ("auto", "grouped", "padded")
+_GROUPED_ALIGN = 16  # bytes: grouped_mm's rule for every stride and base address
+
+
+@functools.cache
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs on `device` in `dtype` without waiting for it. On CUDA
+    that is its CUTLASS path (bf16 on compute capability 9.x/10.x): elsewhere it falls back
+    to a loop that reads the offsets on the host. On CPU the loop is host code anyway (no
+    device queue to drain), so any dtype the kernel takes is probed once with a tiny run,
+    backward included."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda":
+        major = torch.cuda.get_device_capability(device)[0]
+        return torch.version.hip is None and dtype == torch.bfloat16 and major in (9, 10)
+    if device.type != "cpu":
+        return False
+    try:
+        x = torch.ones(2, 8, dtype=dtype, requires_grad=True)
+        w = torch.ones(2, 8, 8, dtype=dtype, requires_grad=True)
+        y = torch._grouped_mm(x, w, offs=torch.tensor([1, 2], dtype=torch.int32))
+        y.backward(torch.ones_like(y))  # a dense gradient: its backward refuses expanded ones
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 class Experts(nn.Module):
     """The routed experts held here (all of them, or this rank's share under EP): SwiGLU for
-    llama, GeLU for gpt2, without biases."""
+    llama, GeLU for gpt2, without biases.
 
-    def __init__(self, cfg: ModelConfig, num: int | None = None):
+    `gemm` picks how they compute: "grouped" (one grouped GEMM over the rows sorted by
+    expert: no padding, no host read), "padded" (rows padded into one [experts, largest
+    count, hidden] batched matmul: the largest count is read on the host), or "auto": grouped
+    where the device runs it natively for this dtype and hidden/ffn_hidden meet its 16-byte
+    alignment, padded elsewhere."""
+
+    def __init__(self, cfg: ModelConfig, num: int | None = None, gemm: str = "auto"):
         super().__init__()
+        if gemm not in GEMMS:
+            raise ValueError(f"Experts gemm {gemm!r}: valid are {', '.join(GEMMS)}")
         num = cfg.num_experts if num is None else num
-        self.num, self.gated = num, cfg.arch == "llama"
+        self.num, self.gated, self.gemm = num, cfg.arch == "llama", gemm
         self.w1 = StackedLinear(num, cfg.hidden, cfg.ffn_hidden)
         self.w3 = StackedLinear(num, cfg.hidden, cfg.ffn_hidden) if self.gated else None
         self.w2 = StackedLinear(num, cfg.ffn_hidden, cfg.hidden)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: rows sorted by local expert, counts[e] of them for expert e -> outputs, same order.
-        Rows are padded into one [experts, max count, hidden] batch (no loop over tokens)."""
-        n = counts.tolist()  # split sizes are host values (a sync on accelerators, as any dropless MoE)
-        width = max(n) if n else 0
-        expert = torch.repeat_interleave(torch.arange(self.num, device=x.device), counts)
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(x.shape[0], device=x.device) - starts[expert]
-        padded = x.new_zeros(self.num, width, x.shape[-1]).index_put((expert, slot), x)
+    def kernel(self, x: torch.Tensor) -> str:
+        """The kernel forward runs for rows like `x`: "grouped" or "padded"."""
+        if self.gemm == "padded":
+            return "padded"
+        bytes_per_row = [self.w1.in_features * x.element_size(), self.w1.out_features * x.element_size()]
+        native = (
+            grouped_mm_supported(x.device, x.dtype)
+            and x.dtype == self.w1.weight.dtype
+            and all(b % _GROUPED_ALIGN == 0 for b in bytes_per_row)
+        )
+        if self.gemm == "grouped" and not native:
+            raise ValueError(
+                f"Experts gemm 'grouped': torch._grouped_mm has no native path for {x.dtype} on {x.device} "
+                f"with hidden {self.w1.in_features}, ffn_hidden {self.w1.out_features}"
+            )
+        return "grouped" if native else "padded"
+
+    def forward(
+        self, x: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None, may_drop: bool = False
+    ) -> torch.Tensor:
+        """x [rows, hidden]: assignments sorted by local expert, counts[e] of them (a device
+        tensor) for expert e -> outputs [rows, hidden], same order. With `may_drop`, rows past
+        counts.sum() may follow (dropped by the capacity rule): their outputs are zeros.
+        `host_counts`: the same counts already read on the host (the EP dispatcher's), which
+        the padded path then need not read again."""
+        if x.shape[0] == 0:  # grouped_mm's backward refuses empty inputs
+            return self._padded(x, counts, [0] * self.num)
+        if self.kernel(x) == "grouped":
+            return self._grouped(x, counts, may_drop)
+        return self._padded(x, counts, host_counts)
+
+    def _mlp(self, x: torch.Tensor, linear) -> torch.Tensor:
         if self.gated:
-            h = F.silu(self.w1(padded)) * self.w3(padded)
+            h = F.silu(linear(self.w1, x)) * linear(self.w3, x)
         else:
-            h = F.gelu(self.w1(padded), approximate="tanh")
-        return self.w2(h)[expert, slot]
+            h = F.gelu(linear(self.w1, x), approximate="tanh")
+        return linear(self.w2, h)
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, may_drop: bool) -> torch.Tensor:
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        if not may_drop:
+            return self._mlp(x, lambda w, t: w.grouped(t, offsets))
+        # Dropped rows lie past the last offset, in no group: grouped_mm leaves their outputs
+        # and, in backward, their input gradients unwritten. Both sides are masked, so neither
+        # the layer's sum nor the tokens' gradients see that memory.
+        kept = (torch.arange(x.shape[0], device=x.device) < offsets[-1])[:, None]
+        y = self._mlp(torch.where(kept, x, 0), lambda w, t: w.grouped(t, offsets))
+        return torch.where(kept, y, 0)
+
+    def _padded(self, x: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None) -> torch.Tensor:
+        if host_counts is None:  # this path's one host read: the batch's shape depends on it
+            width, total = torch.stack([counts.max(), counts.sum()]).tolist()
+        else:
+            width, total = max(host_counts, default=0), sum(host_counts)
+        expert = torch.repeat_interleave(torch.arange(self.num, device=x.device), counts, output_size=total)
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(total, device=x.device) - starts[expert]
+        padded = x.new_zeros(self.num, width, x.shape[-1]).index_put((expert, slot), x[:total])
+        y = self._mlp(padded, lambda w, t: w(t))[expert, slot]
+        if total == x.shape[0]:
+            return y
+        return torch.cat([y, y.new_zeros(x.shape[0] - total, y.shape[-1])])
 
 
 class LocalDispatcher:
-    """Every expert is here: the sorted tokens go straight through."""
+    """Every expert is here: the sorted rows go straight through."""
 
-    def run(self, x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
-        return experts(x, counts)
+    def run(self, x: torch.Tensor, counts: torch.Tensor, experts: Experts, may_drop: bool = False) -> torch.Tensor:
+        return experts(x, counts, may_drop=may_drop)
 
 
 @dataclass
@@ -178,15 +281,18 @@ class MoE(nn.Module):
         r = route(
             logits, self.top_k, self.capacity_factor, s * b * self.token_ranks, self.gather_counts, self.token_rank
         )
-        # Kept assignments sorted by expert (stable: token order within an expert).
-        pairs = r.keep.reshape(-1).nonzero().squeeze(1)
-        expert = r.expert.reshape(-1)[pairs]
-        order = torch.argsort(expert, stable=True)
-        pairs, expert = pairs[order], expert[order]
-        token = torch.div(pairs, self.top_k, rounding_mode="floor")
-        counts = torch.bincount(expert, minlength=self.num_experts)
-        y = self.dispatcher.run(flat[token], counts, self.experts)
-        y = y * r.weight.reshape(-1)[pairs, None].to(y.dtype)
+        # Every assignment sorted by expert (stable: token order within an expert), the dropped
+        # ones under a key past the last expert, so they sort last: shapes do not depend on
+        # routing, and the kept rows come in the order they always had.
+        dropping = self.capacity_factor > 0
+        expert = r.expert.reshape(-1)
+        key = torch.where(r.keep.reshape(-1), expert, self.num_experts) if dropping else expert
+        order = torch.argsort(key, stable=True)
+        token = torch.div(order, self.top_k, rounding_mode="floor")
+        kept = r.keep.reshape(-1).to(torch.long)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(0, expert, kept)
+        y = self.dispatcher.run(flat[token], counts, self.experts, dropping)  # dropped rows: zeros
+        y = y * r.weight.reshape(-1)[order, None].to(y.dtype)
         out = torch.zeros_like(flat).index_add_(0, token, y)
         if torch.is_grad_enabled() and (self.aux_coeff or self.z_coeff):
             out = _AddLossGrad.apply(out, self.aux_weight * (self.aux_coeff * r.aux + self.z_coeff * r.z))

@@ -44,8 +44,9 @@ def layer_activation_elements(
     column_inputs = 2 * s * b * h / region
     q, out, kv = s * b * h / t, s * b * h / t, 2 * s * b * hd * kvl
     if attention == "flash":
-        # Fused kernel: keeps q, k, v, its output and the log-sum-exp (a*s*b); never the s x s scores.
-        core = q + kv + out + (0 if recompute == "selective" else heads * s * b / t)
+        # Fused kernel: keeps q, k, v, its output and the log-sum-exp (a*s*b); never the s x s
+        # scores, so selective recompute leaves it alone (model/recompute.py).
+        core = q + kv + out + heads * s * b / t
     elif attention == "math":
         # Unfused: scaled q, k and v expanded to the local heads, the softmax (a s^2 b), output.
         core = q + kv + out if recompute == "selective" else 4 * s * b * h / t + heads * s * s * b / t

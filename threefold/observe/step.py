@@ -35,8 +35,9 @@ class StepResult:
     peak_mem_bytes: int
     """The largest peak device memory of any rank."""
     pp_idle_s: float
-    """The most any rank waited for pipeline receives (on CUDA, in the previous step: its events
-    are read without waiting for the device, as is the compute time stragglers are judged by)."""
+    """The most any rank waited for pipeline receives (on CUDA, and whenever steps are read one
+    step late, in the newest step read before this one was queued: its events are read without
+    waiting for the device, as is the compute time stragglers are judged by)."""
     pp_idle_fraction: float
     tp_comm_bytes: int
     """Bytes this rank's tensor-parallel collectives carried in the step."""
@@ -61,7 +62,11 @@ class QueuedStep:
     """fp64 on the run's device: the loss sum over the world, the gradient norm, applied, then
     the health vector reduced over the world (flags, then the slowest rank's values)."""
     tp_comm_bytes: int
-    dp_exposed_s: float
+    timers: dict
+    """The step's exposed-communication timers (observe/timer.py) by metric name, each a list (one
+    per engine), unread: on CUDA a read waits for the device, so read_step reads them."""
+    schedule: object
+    """The schedule's timers (the pipeline executor's PipelineStats), unread, as `timers`."""
     loss_scale: float
     extra: dict = field(default_factory=dict)
     """Fields the step's record gets besides StepResult's (expert load, held-out loss)."""

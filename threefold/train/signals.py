@@ -20,6 +20,8 @@ import sys
 import threading
 import time
 
+import torch
+
 INTERRUPT, TERMINATE = 1, 2
 EXIT_CODE = {INTERRUPT: 128 + signal.SIGINT, TERMINATE: 128 + signal.SIGTERM}
 STUCK_S = 10.0
@@ -55,6 +57,17 @@ class Stopped(Exception):
         )
 
 
+def completion_event(device: torch.device):
+    """An event recorded now on `device`'s current stream: it completes once the work queued there
+    so far has (on CUDA a collective's call returns when it is queued, not done). None on the
+    CPU, where the call returned with its work done."""
+    if device.type == "cpu":
+        return None
+    event = torch.Event(device=device)
+    event.record(torch.accelerator.current_stream(device))
+    return event
+
+
 class StopSignals:
     def __init__(self, speaks: bool = True):
         self.speaks = speaks  # one rank says it, not every one
@@ -64,7 +77,9 @@ class StopSignals:
         self._longest = 0.0
         self._previous: dict = {}
         self._watch: threading.Thread | None = None
-        self._settled: float | None = None  # the boundary of the last step whose agreement returned
+        # The boundary of the last step whose agreement was issued, and the event that completes
+        # with it (None: it had completed when settled() was called).
+        self._settled: tuple[float | None, object] = (None, None)
 
     @classmethod
     def install(cls, speaks: bool = True) -> StopSignals:
@@ -86,10 +101,22 @@ class StopSignals:
             self._longest = max(self._longest, now - self._boundary)
         self._boundary = now
 
-    def settled(self) -> None:
-        """This step's agreement (the collective that carries the stop flag) returned: the rank is
-        not hung in this step, and what follows in it may be the stop's save."""
-        self._settled = self._boundary
+    def settled(self, done=None) -> None:
+        """This step's agreement (the collective that carries the stop flag) was issued. `done`:
+        an event recorded after it on the run's device (completion_event), or None where the call
+        returned with the collective complete (CPU/gloo). Once it has completed the rank is not
+        hung in this step, and what follows in it may be the stop's save."""
+        self._settled = (self._boundary, done)
+
+    def _agreed_since(self, began: float) -> bool:
+        """Whether the agreement of the step that began at `began`, or of a later one, completed."""
+        boundary, done = self._settled
+        if boundary is None or boundary < began:
+            return False
+        try:
+            return done is None or bool(done.query())
+        except RuntimeError:  # the device or its communicator failed: not settled
+            return False
 
     def _stuck_after(self) -> float:
         """Seconds in one step (or save) after which the rank counts as hung."""
@@ -99,20 +126,22 @@ class StopSignals:
         return self._boundary is not None and now - self._boundary > self._stuck_after()
 
     def _watch_step(self) -> None:
-        """After a deferred SIGTERM: exit if this step becomes stuck before its agreement returns
-        (settled) or the next step begins. A thread, since a hung main thread runs no handler. The
-        stop's save comes after the agreement, so the watch never cuts it short."""
+        """After a deferred SIGTERM: exit if the rank becomes stuck (in this step, or a later one
+        the host moved on to) before an agreement from this step on has completed on the device
+        (settled). A thread, since a hung main thread runs no handler; on CUDA the host runs ahead
+        of the device, so the watch polls the agreement's event. The stop's save comes after the
+        agreement (and the host read that waits for it), so the watch never cuts it short."""
         began = self._boundary
-        if began is None or self._settled == began or (self._watch is not None and self._watch.is_alive()):
+        if began is None or self._agreed_since(began) or (self._watch is not None and self._watch.is_alive()):
             return
 
         def watch() -> None:
-            while self._boundary == began and self._settled != began:
+            while not self._agreed_since(began):
                 now = time.monotonic()
                 if self._stuck(now):
                     os._exit(EXIT_CODE[TERMINATE])
                     return  # only reached where os._exit is a test's stand-in
-                time.sleep(min(1.0, max(0.01, began + self._stuck_after() - now)))
+                time.sleep(min(1.0, max(0.01, (self._boundary or began) + self._stuck_after() - now)))
 
         self._watch = threading.Thread(target=watch, name="threefold-stuck-step", daemon=True)
         self._watch.start()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from threefold.distributed.grid import Grid
 from threefold.distributed.parallelize import build_model
 from threefold.distributed.pipeline import bubble_theory
 from threefold.distributed.pipeline.stage import build_stage, tied_head_weights
-from threefold.distributed.runtime import WorkerEnv
+from threefold.distributed.runtime import WorkerEnv, startup_done
 from threefold.errors import DataError
 from threefold.inference.evaluate import HeldOut
 from threefold.model.sharding import partial_params
@@ -53,7 +54,7 @@ from threefold.train.expert_load import ExpertLoad
 from threefold.train.loop import TrainingLoop
 from threefold.train.optim import lr_at
 from threefold.train.resilience import RunGuard, continues_run
-from threefold.train.signals import StopSignals
+from threefold.train.signals import StopSignals, completion_event
 from threefold.train.status import StatusLine
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -84,6 +85,21 @@ def open_data(cfg: Config):
 
 def _quiet(*_args) -> None:
     pass
+
+
+@dataclass(frozen=True)
+class ScheduleFigures:
+    """A step's schedule timers, read to host floats: what a later step's agreement carries
+    (the compute time stragglers are judged by, the pipeline receive waits)."""
+
+    compute_s: dict[str, float]
+    recv_wait_s: float
+    idle_fraction: float
+
+    @classmethod
+    def of(cls, pipe) -> ScheduleFigures:
+        """Reads `pipe`'s timers (the executor's PipelineStats): on CUDA a wait for the device."""
+        return cls(pipe.compute_s, pipe.recv_wait_s, pipe.idle_fraction)
 
 
 class Trainer(TrainingLoop):
@@ -165,7 +181,7 @@ class Trainer(TrainingLoop):
         self.status = StatusLine(t.steps, cfg.log.interval, enabled=self.is_logger and not cfg.log.quiet)
         self.heldout = HeldOut(cfg) if t.eval_every else None
         self._last_failure: int | None = None
-        self._last_pipe = None  # the previous step's schedule timers (read one step late on CUDA)
+        self._schedule_read: ScheduleFigures | None = None  # those of the newest step read
         # On CUDA a step's scalars are read after the next step is queued (1); on CPU there is
         # nothing to overlap with the host, so each step is read at once (0).
         self.read_lag = int(device.type == "cuda")
@@ -278,10 +294,12 @@ class Trainer(TrainingLoop):
                 spans=self.observer.recorder,
                 meter=meter,
             )
-        # The schedule's timers: this step's on CPU (host clocks); on CUDA the previous step's,
-        # complete since its host read: this step's events would make the host wait for the
-        # device before the update is queued.
-        timed, self._last_pipe = (pipe if self.device.type != "cuda" else self._last_pipe), pipe
+        # The schedule's figures: this step's on CPU (host clocks) when each step is read at once;
+        # on CUDA, or with reads one step late, those of the newest step read: reading this
+        # step's events, or the previous step's before its read, would make the host wait for
+        # the device before the update is queued.
+        live = self.device.type != "cuda" and not self.read_lag
+        timed = ScheduleFigures.of(pipe) if live else self._schedule_read
         compute_s = self.guard.compute_time(step, timed) if timed is not None else 0.0
         norm = finalize_grads(engine, grid, self.partial, self.tied, self.tied_copy, phase)
         with phase("optimizer"):
@@ -291,7 +309,7 @@ class Trainer(TrainingLoop):
             worst = (float(peak_memory_bytes(self.device)), data_wait_s, *waits)
             norm = self.guard.agree(norm, loss_sum, compute_s, engine, worst, self.stop.requested if self.stop else 0)
             if self.stop is not None:
-                self.stop.settled()
+                self.stop.settled(completion_event(self.device))  # on CUDA the all-reduce is only queued
             applied = engine.step(lr, norm, t.grad_clip)
             if self.probe:
                 self.probe.after_step(engine)
@@ -302,14 +320,14 @@ class Trainer(TrainingLoop):
             loss_sum = all_reduce_sum(loss_sum * float(grid.tp.rank == 0), grid.world)
             applied_t = torch.as_tensor(applied, dtype=torch.float64, device=self.device).reshape(1)
             scalars = [loss_sum.double().reshape(1), norm.double().reshape(1), applied_t, self.guard.take_pending()]
+            if step == self.start_step:  # start-up's long deadline ends with the first step (distributed/runtime.py)
+                startup_done(grid)
+        timers: dict[str, list] = {}  # handed over unread: read_step reads them
+        for part in engine.parts:  # MoE: the dense and the expert engine
+            for name, timer in part.step_timers().items():
+                timers.setdefault(name, []).append(timer)
         return QueuedStep(
-            step,
-            lr,
-            t0,
-            torch.cat(scalars),
-            grid.tp.stats.total_bytes - tp_bytes0,
-            engine.comm_stats()["dp_exposed_s"],
-            engine.loss_scale,
+            step, lr, t0, torch.cat(scalars), grid.tp.stats.total_bytes - tp_bytes0, timers, pipe, engine.loss_scale
         )
 
     def read_step(self, queued: QueuedStep, since: float | None = None) -> StepResult:
@@ -318,6 +336,9 @@ class Trainer(TrainingLoop):
         there, so consecutive steps' times add up to the host's wall time and none overlap."""
         with self.observer.phase("sync"):
             values = queued.scalars.tolist()
+        # The device is past the step now: its timers are read without waiting for it.
+        comm = {name: sum(t.seconds for t in timers) for name, timers in queued.timers.items()}
+        self._schedule_read = ScheduleFigures.of(queued.schedule)
         worst = self.guard.settle(values[3:])
         now = time.perf_counter()
         return StepResult(
@@ -332,6 +353,7 @@ class Trainer(TrainingLoop):
             worst["pp_idle_s"],
             worst["pp_idle_fraction"],
             queued.tp_comm_bytes,
-            queued.dp_exposed_s,
+            comm.pop("dp_exposed_s"),
             queued.loss_scale,
+            extra=comm,  # ZeRO 3: zero3_gather_wait_s
         )

@@ -14,7 +14,14 @@ import torch
 
 from threefold.config import Config
 from threefold.distributed.grid import Grid, RankLayout
-from threefold.distributed.runtime import WorkerEnv, init_distributed, resolve_device, shutdown_distributed
+from threefold.distributed.runtime import (
+    WorkerEnv,
+    abandon_distributed,
+    give_deadlines,
+    init_distributed,
+    resolve_device,
+    shutdown_distributed,
+)
 from threefold.errors import UserError
 from threefold.train import failures
 from threefold.train.signals import Stopped, StopSignals
@@ -26,13 +33,20 @@ def layout_of(cfg: Config) -> RankLayout:
     return RankLayout(tp=p.tp, cp=p.cp, ep=p.ep, dp=p.dp, pp=p.pp, order=p.order)
 
 
-def join_group(cfg: Config, env: WorkerEnv) -> torch.device:
-    """This process's device (its intra-op threads on CPU), and the job's process group joined."""
+def join_group(cfg: Config, env: WorkerEnv, timeout_s: float | None = None) -> torch.device:
+    """This process's device (its intra-op threads on CPU), and the job's process group joined
+    with `timeout_s` (default train.timeout_s)."""
     device = resolve_device(cfg.train.device, env.local_rank)
     if device.type == "cpu":
         torch.set_num_threads(cfg.train.threads)
-    init_distributed(device, cfg.train.timeout_s)
+    init_distributed(device, cfg.train.timeout_s if timeout_s is None else timeout_s)
     return device
+
+
+def crash_line(err: BaseException) -> str:
+    """A Python exception in one short line: its type and the first line of its message."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
 
 
 def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
@@ -42,13 +56,17 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
     env = WorkerEnv.from_environ()
     # Listening from the start: a Ctrl-C during start-up stops the run after its first step.
     stop = StopSignals.install(speaks=env.rank == 0) if threading.current_thread() is threading.main_thread() else None
+    t, grid = cfg.train, None
     try:
-        device = join_group(cfg, env)
+        # Start-up (building, resuming, the first step's compilation) waits train.startup_timeout_s
+        # for the slowest rank; the trainer brings train.timeout_s in after the first step.
+        device = join_group(cfg, env, t.startup_timeout_s)
         layout = layout_of(cfg)
         layout.check_placement(
             cfg.parallel.devices_per_node or env.local_world_size, cfg.parallel.allow_tp_across_nodes
         )
-        grid = Grid.build(layout, timeout=timedelta(seconds=cfg.train.timeout_s), device=device)
+        grid = Grid.build(layout, timeout=timedelta(seconds=t.startup_timeout_s), device=device)
+        give_deadlines(grid, t.timeout_s, t.startup_timeout_s)
         probe = None
         if measure_memory:
             from threefold.train.memory_probe import MemoryProbe
@@ -70,21 +88,43 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
         # A user mistake found only inside the worker: one line, exit 2, no traceback.
         print(f"threefold: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except RuntimeError as err:
+    except Exception as err:
+        why = _peer_failure(err, cfg, grid)
+        if why is None:
+            # This rank's own failure (a bug, a bad file): recorded and named by its exception in
+            # the one line, then raised on (its traceback goes to the agent's log, or to torchrun).
+            failures.record(cfg.log.dir, env.restart_count, env.rank, crash_line(err), failures.CRASH)
+            if failures.prints_own_line():
+                print(f"threefold: rank {env.rank}: {crash_line(err)}", file=sys.stderr, flush=True)
+            raise
         # A peer stopped answering or died: fail this worker with one line (the elastic agent
         # restarts the group or gives up) instead of waiting forever or dumping a traceback.
-        text = str(err).lower()
-        if "timed out" in text:
-            why = f"a collective timed out after train.timeout_s = {cfg.train.timeout_s:g} s (a peer is hung or dead)"
-        elif "connection closed by peer" in text or "connection reset" in text:
-            why = "a peer closed its connection (a worker or node died)"
-        else:
-            raise
         failures.record(cfg.log.dir, env.restart_count, env.rank, why)
         if failures.prints_own_line():
             detail = str(err).splitlines()[0][-160:]
             print(f"threefold: rank {env.rank}: {why}: {detail}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
+        # Whatever ended the run, this process leaves no group behind (a later run in it, such as
+        # bench/gpu.py's next phase, joins anew); after a failure without waiting for peers.
+        abandon_distributed()
         if stop is not None:
             stop.uninstall()
+
+
+def _peer_failure(err: Exception, cfg: Config, grid: Grid | None) -> str | None:
+    """Why a collective failed because of a peer (it hung or died), or None: this rank's own error.
+    `grid`: None before it was built (start-up)."""
+    if not isinstance(err, RuntimeError):
+        return None
+    text = str(err).lower()
+    if "timed out" in text:
+        deadlines = grid.world.deadlines if grid is not None else None
+        if grid is None or (deadlines is not None and deadlines.open_phases):
+            key, seconds = "train.startup_timeout_s", cfg.train.startup_timeout_s
+        else:
+            key, seconds = "train.timeout_s", cfg.train.timeout_s
+        return f"a collective timed out after {key} = {seconds:g} s (a peer is hung or dead)"
+    if "connection closed by peer" in text or "connection reset" in text:
+        return "a peer closed its connection (a worker or node died)"
+    return None

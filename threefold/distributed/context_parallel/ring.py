@@ -3,26 +3,30 @@
 Each rank keeps its queries; the key/value blocks travel around the ring (rank i sends to i+1,
 receives from i-1), so after cp steps every query has met every key. Step t holds the block of
 rank j = i - t; the transfer of the next block is posted before the current block is computed,
-so it hides behind that block's attention. Partial outputs merge by their log-sum-exp (the
-online softmax of FlashAttention / Milakov & Gimelshein 2018): out = sum_b exp(lse_b - lse) out_b.
+so it hides behind that block's attention. Each block is ONE call of SDPA's fused kernel that
+returns the rows' log-sum-exp (block_attention.py), in the run's dtype, and partial outputs
+merge by it (the online softmax of FlashAttention / Milakov & Gimelshein 2018).
 
-Which rows meet which columns (q chunks i and 2N-1-i, kv chunks j and 2N-1-j, N = cp):
-    j == i: the local block under the causal mask, as q chunk i against kv chunk i (causal)
-            and q chunk 2N-1-i against both kv chunks (causal from column c on): q chunk i
-            never sees kv chunk 2N-1-i, so that quarter is not computed;
-    j <  i: both q chunks see kv chunk j fully and kv chunk 2N-1-j not at all;
-    j >  i: only q chunk 2N-1-i sees anything, and it sees both kv chunks fully.
+Which rows meet which columns (q chunks i and 2N-1-i, kv chunks j and 2N-1-j, N = cp) makes
+every block a plain fused call on a slice, never a mask:
+    j == i: the local block is the plain lower triangle (global positions increase along the
+            local sequence), so one causal call of all rows against all columns; q chunk i
+            never sees kv chunk 2N-1-i, and the causal kernel skips that quarter;
+    j <  i: both q chunks see kv chunk j fully and kv chunk 2N-1-j not at all: all rows
+            against the first half of the columns;
+    j >  i: only q chunk 2N-1-i sees anything, and it sees both kv chunks fully: the second
+            half of the rows against all columns.
 So every step after the first is one unmasked half-size product: the same work on every rank.
 
-Backward recomputes each block's probabilities from the saved q, k, v, output and lse. dq stays
-local; each block's dk/dv accumulator travels with it (one step behind the block, sent once
-this rank has added its part), and after cp sends it is back at its owner. The accumulators
-travel in fp32 so a cp-way sum of bf16 gradients is not rounded cp times.
+Backward calls each block's backward kernel with the saved q, k, v and the FINAL output and
+log-sum-exp, which makes each block's gradient its exact share. dq stays local; each block's
+dk/dv accumulator travels with it (one step behind the block, sent once this rank has added
+its part), and after cp sends it is back at its owner. The accumulators (and dq, and the
+forward's merged output) are fp32, so a cp-way sum of bf16 blocks is not rounded cp times.
 
-Memory: a product's score matrix is [batch, heads, rows, cols] in fp32, (S/cp)^2 / 2 elements per
-head, 256 MB per block at S = 16k, cp 4, 4 heads, batch 2. So each product is computed in row
-chunks of at most BLOCK_ELEMENTS scores (row_chunks): the same sums, the chunks' rows disjoint,
-and a causal product's chunk keeps only the columns its last row can see.
+Memory: the fused kernels never hold a block's score matrix; besides the saved q, k, v, output
+and lse, a step holds one block's output (forward) or gradients (backward) and the fp32
+accumulators.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 
 from threefold.distributed import comm
 from threefold.distributed.comm import Group
+from threefold.distributed.context_parallel.block_attention import block_kernel, merge_block
 
 
 @dataclass
@@ -73,71 +78,15 @@ class _Clock:
             torch.cuda.synchronize()
 
 
-def block_plan(i: int, j: int, c: int) -> list[tuple[slice, slice, int | None]]:
-    """The products rank i computes against rank j's block, chunk length c (the rule in the
-    module docstring): (local q rows, local kv columns, diagonal) where row r of the product
-    sees column k up to k <= r + diagonal, None: every column. The products' rows are disjoint
-    in the first step (each covers its rows once)."""
+def block_plan(i: int, j: int, c: int) -> tuple[slice, slice, bool]:
+    """What rank i computes against rank j's block, chunk length c (the rule in the module
+    docstring): (local q rows, local kv columns, causal). A causal block is square and its
+    mask the plain lower triangle; otherwise every row sees every column."""
     if j == i:
-        return [(slice(0, c), slice(0, c), 0), (slice(c, 2 * c), slice(0, 2 * c), c)]
+        return slice(0, 2 * c), slice(0, 2 * c), True
     if j < i:
-        return [(slice(0, 2 * c), slice(0, c), None)]
-    return [(slice(c, 2 * c), slice(0, 2 * c), None)]
-
-
-BLOCK_ELEMENTS = 1 << 20
-"""Scores (fp32: 4 MiB) a row chunk of a product aims at; the backward keeps three such
-matrices (p, dp, ds) at once, so the transient stays below the local activations at 4k tokens."""
-MIN_ROWS = 64
-"""Rows a chunk keeps however wide the product: fewer would make each matmul too small for a
-GPU and multiply the launches (32 heads x 8k columns would otherwise mean 4-row chunks)."""
-
-
-def row_chunks(rows: slice, cols: int, diagonal: int | None, width: int) -> list[tuple[slice, int, int | None]]:
-    """One product of block_plan (local q `rows` against `cols` kv columns) as row chunks of at
-    most BLOCK_ELEMENTS scores (but MIN_ROWS rows), `width` scores per (row, column) (batch *
-    heads): (rows, visible columns from the first, diagonal), where a causal chunk drops the
-    columns its last row cannot see and its diagonal moves with its first row; None: every
-    column of the chunk is seen."""
-    n = rows.stop - rows.start
-    step = max(MIN_ROWS, 1, BLOCK_ELEMENTS // max(1, width * cols))
-    out = []
-    for first in range(0, n, step):
-        size = min(step, n - first)
-        sub = slice(rows.start + first, rows.start + first + size)
-        if diagonal is None:
-            out.append((sub, cols, None))
-            continue
-        shifted = diagonal + first  # row r of the chunk is row first + r of the product
-        seen = min(cols, size + shifted)  # the chunk's last row sees columns 0 .. size - 1 + shifted
-        out.append((sub, seen, None if shifted >= seen - 1 else shifted))
-    return out
-
-
-def _scores(q, k, diagonal: int | None, scale: float) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if diagonal is not None:
-        hidden = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(diagonal + 1)
-        s = s.masked_fill(hidden, float("-inf"))
-    return s
-
-
-def _attend(q, k, v, diagonal: int | None, scale: float):
-    """One product: q [b, kvh, g, sq, d], k/v [b, kvh, 1, sk, d] (fp32) -> out, lse [b, kvh, g, sq]."""
-    s = _scores(q, k, diagonal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
-
-
-def _attend_backward(q, k, v, do, lse, delta, diagonal: int | None, scale: float):
-    """One block's gradients from the FINAL lse and delta = rowsum(dout * out): dq, dk, dv
-    (dk/dv summed over the query heads that share each kv head)."""
-    p = torch.exp(_scores(q, k, diagonal, scale) - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
-    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2) * scale
-    return dq, dk, dv
+        return slice(0, 2 * c), slice(0, c), False
+    return slice(c, 2 * c), slice(0, 2 * c), False
 
 
 def _exchange(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, list]:
@@ -161,76 +110,65 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group: Group, timing: RingTiming | None):
         n, i = group.size, group.rank
-        b, h, s, d = q.shape
-        kvh = k.shape[1]
-        c, scale = s // 2, d**-0.5
-        q5 = q.float().reshape(b, kvh, h // kvh, s, d)  # q head kvh_j*g + r uses kv head kvh_j (SDPA's GQA)
+        c = q.shape[2] // 2
+        kernel = block_kernel(q)
         clock = _Clock(timing, q.device)
         clock.start()
         kv = torch.stack([k, v])
-        out = torch.empty(q5.shape, dtype=torch.float32, device=q.device)
-        lse = torch.empty(q5.shape[:-1], dtype=torch.float32, device=q.device)
+        out = lse = state = None
         for t in range(n):
             nxt, works = _exchange(kv, group) if t + 1 < n else (None, [])
-            for block_rows, cols, block_diagonal in block_plan(i, (i - t) % n, c):
-                kb, vb = (kv[x, :, :, cols].float().unsqueeze(2) for x in (0, 1))
-                for rows, seen, diagonal in row_chunks(block_rows, kb.shape[-2], block_diagonal, b * h):
-                    o_blk, l_blk = _attend(q5[..., rows, :], kb[..., :seen, :], vb[..., :seen, :], diagonal, scale)
-                    if t == 0:  # the first step's products cover every row once
-                        out[..., rows, :], lse[..., rows] = o_blk, l_blk
-                    else:
-                        merged = torch.logaddexp(lse[..., rows], l_blk)
-                        old = out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(-1)
-                        out[..., rows, :] = old + o_blk * torch.exp(l_blk - merged).unsqueeze(-1)
-                        lse[..., rows] = merged
+            rows, cols, causal = block_plan(i, (i - t) % n, c)
+            block_out, block_lse, block_state = kernel.forward(q[:, :, rows], *kv[:, :, :, cols], causal)
+            if t == 0:  # the diagonal block covers every row
+                out, lse, state = block_out.to(torch.float32), block_lse, block_state
+            else:
+                merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             clock.lap("compute_s")
             if nxt is not None:
                 _wait(works, group, clock)
                 kv = nxt
-        out = out.reshape(b, h, s, d).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.timing = group, timing
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *state)  # state: the kernel's rng, unused without dropout
+        ctx.group, ctx.timing, ctx.kernel = group, timing, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
+        q, k, v, out, lse, *state = ctx.saved_tensors
+        group, kernel = ctx.group, ctx.kernel
         n, i = group.size, group.rank
-        b, h, s, d = q.shape
-        kvh = k.shape[1]
-        c, scale, shape = s // 2, d**-0.5, (b, kvh, h // kvh, s, d)
-        q5, do5 = q.float().reshape(shape), dout.float().reshape(shape)
-        delta = (do5 * out.float().reshape(shape)).sum(-1)
+        c = q.shape[2] // 2
+        # A block's rows are all of them or the second half: their lse in the kernel's layout, once.
+        lse_rows = {0: kernel.backward_lse(lse), c: kernel.backward_lse(lse[:, :, c:])}
         clock = _Clock(ctx.timing, q.device)
         clock.start()
-        dq = torch.zeros(shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
-        incoming, grad_works, sending = None, [], None
+        dq, incoming, grad_works, sending = None, None, [], None
         for t in range(n):
             nxt, works = _exchange(kv, group) if t + 1 < n else (None, [])
-            dkv = torch.zeros((2, b, kvh, s, d), dtype=torch.float32, device=q.device)
-            for block_rows, cols, block_diagonal in block_plan(i, (i - t) % n, c):
-                kb, vb = (kv[x, :, :, cols].float().unsqueeze(2) for x in (0, 1))
-                for rows, seen, diagonal in row_chunks(block_rows, kb.shape[-2], block_diagonal, b * h):
-                    dq_r, dk_b, dv_b = _attend_backward(
-                        q5[..., rows, :],
-                        kb[..., :seen, :],
-                        vb[..., :seen, :],
-                        do5[..., rows, :],
-                        lse[..., rows],
-                        delta[..., rows],
-                        diagonal,
-                        scale,
-                    )
-                    dq[..., rows, :] += dq_r
-                    start = cols.start
-                    dkv[0, :, :, start : start + seen] += dk_b
-                    dkv[1, :, :, start : start + seen] += dv_b
+            rows, cols, causal = block_plan(i, (i - t) % n, c)
+            dq_b, dk_b, dv_b = kernel.backward(
+                dout[:, :, rows],
+                q[:, :, rows],
+                kv[0, :, :, cols],
+                kv[1, :, :, cols],
+                out[:, :, rows],
+                lse_rows[rows.start],
+                causal,
+                state,
+            )
+            if t == 0:  # the diagonal block covers every row and column
+                dq = dq_b.to(torch.float32)
+                dkv = torch.stack([dk_b, dv_b]).to(torch.float32)
+            else:
+                dq[:, :, rows].add_(dq_b)  # add_ on the view: `+=` on an index would copy it back
             clock.lap("compute_s")
-            if incoming is not None:  # the previous ranks' part of this block's gradient
+            if t > 0:  # the previous ranks' part of this block's gradient, then ours on top
                 _wait(grad_works, group, clock)
-                dkv += incoming
+                dkv = incoming
+                dkv[0, :, :, cols].add_(dk_b)
+                dkv[1, :, :, cols].add_(dv_b)
             sending = dkv  # kept alive until its send is waited on
             incoming, grad_works = _exchange(sending, group)
             if nxt is not None:
@@ -238,8 +176,7 @@ class RingAttention(torch.autograd.Function):
                 kv = nxt
         _wait(grad_works, group, clock)  # our own block, back from its trip around the ring
         del sending
-        dq = dq.reshape(b, h, s, d).to(q.dtype)
-        return dq, incoming[0].to(k.dtype), incoming[1].to(v.dtype), None, None
+        return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype), None, None
 
 
 def ring_attention(q, k, v, group: Group, timing: RingTiming | None = None) -> torch.Tensor:

@@ -13,15 +13,16 @@ gloo's/NCCL's own threads/streams while backward continues with earlier layers:
 
 SUM is the mean we want: the loss is pre-scaled by 1/(tokens in the global batch).
 
-Overlap accounting. `finish()` is called when this rank's backward has ended; the wall time
-it spends blocked is `exposed_s`. That figure also contains load imbalance (waiting for a
-slower peer to finish *its* backward), which no overlap can hide, so `finish()` also records
-when backward ended and when the reductions were done (CLOCK_MONOTONIC via perf_counter,
-comparable across processes of one host): exposed communication = done - latest backward end
-over dp. gloo does not report completion of an async reduce_scatter before `wait()` (no
-future, `is_completed()` stays False), so in-flight time cannot be observed directly; the
-*cost* to hide is measured by `time_serial()`, which replays the same collectives blocking on
-scratch buffers. hidden = 1 - exposed / serial.
+Overlap accounting. `finish()` is called when this rank's backward has ended; the time it
+spends blocked is timed by `exposed` (a DeviceTimer, new each finish(): the trainer reads it
+with the step's scalars as dp_exposed_s, never inside the step). That figure also contains
+load imbalance (waiting for a slower peer to finish *its* backward), which no overlap can
+hide, so `finish()` also records when backward ended and when the reductions were done
+(CLOCK_MONOTONIC via perf_counter, comparable across processes of one host): exposed
+communication = done - latest backward end over dp. gloo does not report completion of an
+async reduce_scatter before `wait()` (no future, `is_completed()` stays False), so in-flight
+time cannot be observed directly; the *cost* to hide is measured by `time_serial()`, which
+replays the same collectives blocking on scratch buffers. hidden = 1 - exposed / serial.
 """
 
 from __future__ import annotations
@@ -247,9 +248,11 @@ class GradBuckets:
             bucket.launched = False
 
     @property
-    def exposed_s(self) -> float:
-        """Seconds of dp gradient communication left after backward, in the last finish()."""
-        return self._exposed.seconds
+    def exposed(self) -> DeviceTimer:
+        """The last finish()'s timer of dp gradient communication left after backward, unread:
+        each finish() starts a new one, so a step may carry it to its host read (on CUDA reading
+        it waits for the device, see observe/timer.py)."""
+        return self._exposed
 
     def zero_grad(self) -> None:
         """Zero the gradients in place: ZeRO 0/1's buffer (param.grad views stay valid), ZeRO

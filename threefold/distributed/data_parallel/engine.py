@@ -32,6 +32,7 @@ from threefold.distributed.data_parallel.precision import LossScaler, MixedPreci
 from threefold.distributed.data_parallel.zero import ZeroAdamW
 from threefold.errors import ConfigError
 from threefold.model.sharding import sharding_of
+from threefold.observe.timer import DeviceTimer
 
 MiB = 1 << 20
 
@@ -289,13 +290,19 @@ class DataParallel:
         return out
 
     # --- measurement ------------------------------------------------------------------------
-    def comm_stats(self) -> dict:
-        """Exposed seconds of the last step's gradient reduction and parameter gathers."""
-        out = {"dp_exposed_s": self.grads.exposed_s, "dp_buckets": len(self.layout.buckets)}
+    def step_timers(self) -> dict[str, DeviceTimer]:
+        """The last step's exposed communication, unread, by metric name: the gradient reduction
+        left after backward (dp_exposed_s, the last finish()) and with ZeRO 3 the parameter
+        gathers not hidden by prefetch since the previous call (zero3_gather_wait_s). Reading
+        one is a host read (on CUDA it waits for the device): a step carries them to its read."""
+        out = {"dp_exposed_s": self.grads.exposed}
         if self.zero == 3:
-            out["zero3_gather_wait_s"] = self.store.gather_wait_s
-            self.store.gather_wait_s = 0.0
+            out["zero3_gather_wait_s"] = self.store.take_gather_wait()
         return out
+
+    def comm_stats(self) -> dict:
+        """step_timers() read now (on CUDA: waits for the device), and the bucket count."""
+        return {**{k: t.seconds for k, t in self.step_timers().items()}, "dp_buckets": len(self.layout.buckets)}
 
     def exposed_comm_s(self) -> float:
         """Exposed gradient communication of the last step, load imbalance excluded

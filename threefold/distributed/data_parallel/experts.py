@@ -96,6 +96,12 @@ class ExpertDataParallel:
         out["expert_dp_exposed_s"] = experts["dp_exposed_s"]
         return out
 
+    def time_serial_comm(self, repeats: int = 5) -> float:
+        """Blocking cost of one step's gradient collectives: each engine's replay (the dense
+        buckets over dp, the experts' over expert_dp), summed, as their exposed waits are in
+        comm_stats. Collective over both groups, in the same order on every rank."""
+        return sum(e.time_serial_comm(repeats) for e in self.parts)
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {**self.dense.full_parameters(), **self.experts.full_parameters()}
 

@@ -150,15 +150,10 @@ class ShardedParams:
         self.state[b] = READY
         self.gather_wait.stop(t0)
 
-    @property
-    def gather_wait_s(self) -> float:
-        """Seconds blocked on parameter all-gathers since the last reset (assigning resets it)."""
-        return self.gather_wait.seconds
-
-    @gather_wait_s.setter
-    def gather_wait_s(self, seconds: float) -> None:
-        self.gather_wait.reset()
-        self.gather_wait.add(seconds)
+    def take_gather_wait(self) -> DeviceTimer:
+        """The time blocked on parameter all-gathers since the last take, unread: a step carries
+        it to its host read (on CUDA reading it waits for the device, see observe/timer.py)."""
+        return self.gather_wait.take()
 
     def free(self, b: int) -> None:
         if self.state[b] is None:
