@@ -300,10 +300,6 @@ class DataParallel:
             out["zero3_gather_wait_s"] = self.store.take_gather_wait()
         return out
 
-    def comm_stats(self) -> dict:
-        """step_timers() read now (on CUDA: waits for the device), and the bucket count."""
-        return {**{k: t.seconds for k, t in self.step_timers().items()}, "dp_buckets": len(self.layout.buckets)}
-
     def exposed_comm_s(self) -> float:
         """Exposed gradient communication of the last step, load imbalance excluded
         (collective over dp; one host). See buckets.py."""

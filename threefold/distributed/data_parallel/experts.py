@@ -90,16 +90,10 @@ class ExpertDataParallel:
         for e in self.parts:
             e.zero_grad()
 
-    def comm_stats(self) -> dict:
-        dense, experts = self.dense.comm_stats(), self.experts.comm_stats()
-        out = {k: v + experts.get(k, 0) for k, v in dense.items()}
-        out["expert_dp_exposed_s"] = experts["dp_exposed_s"]
-        return out
-
     def time_serial_comm(self, repeats: int = 5) -> float:
         """Blocking cost of one step's gradient collectives: each engine's replay (the dense
         buckets over dp, the experts' over expert_dp), summed, as their exposed waits are in
-        comm_stats. Collective over both groups, in the same order on every rank."""
+        the step's record. Collective over both groups, in the same order on every rank."""
         return sum(e.time_serial_comm(repeats) for e in self.parts)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
