@@ -35,7 +35,7 @@ from stats import Interval, paired_ratio, show  # noqa: E402
 
 from threefold.checkpoint import LocalTensor, find_resumable, load_into  # noqa: E402
 from threefold.config import build_config  # noqa: E402
-from threefold.train.worker import run_worker  # noqa: E402
+from threefold.training.worker import run_worker  # noqa: E402
 from threefold.validate import validate  # noqa: E402
 
 MB = 1e6

@@ -85,7 +85,7 @@ def _once(qkvw, group, impl: str, measure: bool):
     import torch
 
     from threefold.distributed.context_parallel import context_parallel_attention, shard_sequence
-    from threefold.train.memory_probe import AllocationPeak
+    from threefold.training.memory_probe import AllocationPeak
 
     cp = group.size
     q, k, v, w = (shard_sequence(x, 2, cp, group.rank) for x in qkvw)

@@ -97,7 +97,7 @@ def _ddp(cfg, grid, bucket_mb: float, zero_redundancy: bool):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from threefold.distributed.parallelize import build_model
-    from threefold.train.optim import param_groups
+    from threefold.training.optim import param_groups
 
     t = cfg.train
     model = build_model(cfg, grid, torch.device("cpu"))
@@ -130,7 +130,7 @@ def _fsdp2(cfg, grid):
     from torch.distributed.fsdp import fully_shard
 
     from threefold.distributed.parallelize import build_model
-    from threefold.train.optim import param_groups
+    from threefold.training.optim import param_groups
 
     t = cfg.train
     model = build_model(cfg, grid, torch.device("cpu"))

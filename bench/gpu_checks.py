@@ -62,7 +62,7 @@ FAIL_ENV = "THREEFOLD_GPU_BENCH_FAIL"
 # SDPA's refusals of a backend for a dtype/shape/device: CUDA's sdp_utils says "No available
 # kernel", the CPU dispatcher (torch 2.13) "No viable backend for scaled_dot_product_attention".
 REFUSALS = ("No available kernel", "No viable backend for scaled_dot_product_attention")
-# Exit codes of a worker stopped by SIGINT / SIGTERM (threefold.train.signals): the bench stops too.
+# Exit codes of a worker stopped by SIGINT / SIGTERM (threefold.training.signals): the bench stops too.
 SIGNAL_EXITS = (130, 143)
 
 
@@ -305,7 +305,7 @@ def train_metrics(overrides: dict, device: str, dtype: str, steps: int, cache_di
     import torch
 
     from threefold.distributed.runtime import shutdown_distributed
-    from threefold.train.worker import run_worker
+    from threefold.training.worker import run_worker
 
     threads = torch.get_num_threads()
     try:

@@ -61,7 +61,7 @@ def plain_loop(overrides: dict, device: str, steps: int, cache_dir: str, compile
 
     from threefold.data import GlobalBatchSampler, load_tokens
     from threefold.model.meta import plain_model
-    from threefold.train.optim import param_groups
+    from threefold.training.optim import param_groups
 
     cfg = make_cfg(overrides, device, "bf16", steps, "", cache_dir)
     m, t = cfg.model, cfg.train
@@ -97,7 +97,7 @@ def memory_figures(overrides: dict, device: str, cache_dir: str, peak_bytes: flo
     import torch
 
     from threefold.distributed.runtime import shutdown_distributed
-    from threefold.train.worker import run_worker
+    from threefold.training.worker import run_worker
 
     threads = torch.get_num_threads()
     try:
@@ -152,7 +152,8 @@ class Performance:
             return
         import torch
 
-        from threefold.observe import device_peak_flops, train_flops_per_token
+        from threefold.model.flops import train_flops_per_token
+        from threefold.observe import device_peak_flops
 
         cfg = make_cfg(self.overrides, self.device, "bf16", self.steps, "", self.cache_dir)
         tokens = cfg.train.global_batch * cfg.model.seq_len

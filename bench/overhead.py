@@ -29,8 +29,8 @@ from timing import cell, ratio, steps_of  # noqa: E402
 from threefold.config import build_config  # noqa: E402
 from threefold.data import GlobalBatchSampler, load_tokens  # noqa: E402
 from threefold.model.meta import plain_model  # noqa: E402
-from threefold.train.optim import param_groups  # noqa: E402
-from threefold.train.worker import run_worker  # noqa: E402
+from threefold.training.optim import param_groups  # noqa: E402
+from threefold.training.worker import run_worker  # noqa: E402
 from threefold.validate import validate  # noqa: E402
 
 WARM = 2  # step intervals dropped from each run of either contestant: steps 2 and 3 (step 1 has none)
@@ -114,7 +114,7 @@ def main(argv=None) -> dict:
     )
     print(
         "- plain loop: the same model (plain_model, same init) and sampler, AdamW(foreach=True, eps 1e-8) with "
-        "threefold.train.optim.param_groups, clip_grad_norm_(foreach=True), zero_grad(set_to_none=True), "
+        "threefold.training.optim.param_groups, clip_grad_norm_(foreach=True), zero_grad(set_to_none=True), "
         "constant lr."
     )
     print(

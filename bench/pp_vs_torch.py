@@ -5,7 +5,7 @@ where either side runs two chunks per rank, so every virtual stage holds two lay
 same p gloo processes, on the same global batch cut into the same m micro-batches:
 
   A  threefold: build_stage -> PipelineExecutor.run(micro-batches, loss_scale = global tokens),
-     then AdamW (threefold.train.optim.build_optimizer) step and zero_grad(set_to_none=True).
+     then AdamW (threefold.training.optim.build_optimizer) step and zero_grad(set_to_none=True).
   B  torch: one PipelineStage per virtual stage, each wrapping a threefold chunk built by
      build_model with the same layer ids (so the same layout-invariant initialization), the
      schedule class with n_microbatches=m, loss_fn = summed cross-entropy / global tokens and
@@ -82,7 +82,7 @@ def threefold_contestant(cfg, grid):
 
     from threefold.distributed.parallelize import build_model
     from threefold.distributed.pipeline.stage import build_stage
-    from threefold.train.optim import build_optimizer
+    from threefold.training.optim import build_optimizer
 
     device = torch.device("cpu")
     chunks, executor = build_stage(cfg, grid, device, partial(build_model, cfg, grid, device))
@@ -107,7 +107,7 @@ def torch_contestant(cfg, grid, schedule_name: str, v: int, placement: str, n_to
     from threefold.distributed.parallelize import build_model
     from threefold.distributed.pipeline.partition import stage_layer_ids
     from threefold.model.transformer import cross_entropy_sum
-    from threefold.train.optim import build_optimizer
+    from threefold.training.optim import build_optimizer
 
     device, p, r = torch.device("cpu"), cfg.parallel.pp, grid.pp_rank
     stages = p * v
@@ -246,7 +246,7 @@ def main(argv=None) -> list[dict]:
     print(
         "- threefold: build_stage over build_model (the chunks of this rank), PipelineExecutor.run with the "
         "schedule's action list, loss scaled by the global tokens; AdamW(foreach=True) "
-        "(threefold.train.optim.build_optimizer), zero_grad(set_to_none=True)."
+        "(threefold.training.optim.build_optimizer), zero_grad(set_to_none=True)."
     )
     print(
         "- torch: one torch.distributed.pipelining.PipelineStage per virtual stage over the same chunks, the "

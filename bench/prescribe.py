@@ -89,7 +89,7 @@ def world_of(over: dict) -> int:
 def slow_sampler(seconds: float):
     """Make this process's sampler sleep `seconds` per step (the slowed data source); returns
     the function that undoes it."""
-    from threefold.train.trainer import Trainer
+    from threefold.training.trainer import Trainer
 
     batches = Trainer.batches
 
@@ -110,9 +110,9 @@ def train(runs: dict[str, dict], root: Path, cache: str, world: int) -> dict[str
 def prescription(path: Path, cost: str):
     """(the finding for `cost`, its best knob, its place in the report's list from 1); the
     report's first finding and no knob when the report does not list that cost."""
-    from threefold.observe.prescribe import best_knob, diagnose
-    from threefold.observe.rundir import load_run
-    from threefold.observe.summary import summarize
+    from threefold.analysis.prescribe import best_knob, diagnose
+    from threefold.analysis.rundir import load_run
+    from threefold.analysis.summary import summarize
     from threefold.planner.predict import RunPredictor
 
     run = load_run(path)

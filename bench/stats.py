@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # The bootstrap itself lives in threefold (threefold report uses it too).
-from threefold.observe.intervals import LEVEL, Interval, _median, bootstrap, bootstrap_median  # noqa: F401
+from threefold.analysis.intervals import LEVEL, Interval, _median, bootstrap, bootstrap_median  # noqa: F401
 
 
 def paired_ratio(

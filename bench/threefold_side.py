@@ -30,7 +30,7 @@ def trainer(cfg, grid, probe=None):
     """A Trainer on `grid` (CPU) whose records go to a throw-away directory."""
     import torch
 
-    from threefold.train.trainer import Trainer
+    from threefold.training.trainer import Trainer
 
     cfg.log.dir, cfg.log.quiet = tempfile.mkdtemp(prefix="threefold-bench-"), True
     return Trainer(cfg, grid, torch.device("cpu"), log=lambda *args: None, probe=probe)

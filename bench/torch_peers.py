@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from threefold.train.optim import param_groups
+from threefold.training.optim import param_groups
 
 
 def kind_of(p: torch.Tensor):

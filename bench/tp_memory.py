@@ -1,5 +1,5 @@
 """Per-rank activation memory under tensor/sequence parallelism and recomputation, measured
-next to the formulas (threefold/observe/activations.py, derived in docs/tensor_parallel.md).
+next to the formulas (threefold/model/activations.py, derived in docs/tensor_parallel.md).
 
 Measured = bytes of the tensors autograd saves during one forward on rank 0, each storage
 once, parameters excluded, attributed to the layer that saved them (SavedTensorMeter); mean
@@ -45,8 +45,8 @@ def measure_worker(world: int, shape: dict, batch: int, attentions: list[str]) -
     from threefold.distributed.grid import Grid, RankLayout
     from threefold.distributed.parallelize import build_model
     from threefold.distributed.runtime import init_distributed, shutdown_distributed
+    from threefold.model.activations import SavedTensorMeter
     from threefold.model.layers import rope_tables
-    from threefold.observe.activations import SavedTensorMeter
 
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
     init_distributed(torch.device("cpu"), timeout_s=300)
@@ -84,7 +84,7 @@ def measure_worker(world: int, shape: dict, batch: int, attentions: list[str]) -
 
 
 def predicted(shape: dict, batch: int, row: dict) -> tuple[float, float]:
-    from threefold.observe.activations import korthikanti_layer_bytes, layer_activation_elements
+    from threefold.model.activations import korthikanti_layer_bytes, layer_activation_elements
 
     s, h, a = shape["model.seq_len"], shape["model.hidden"], shape["model.heads"]
     ours = 4 * layer_activation_elements(

@@ -69,8 +69,8 @@ def main() -> int:
     ap.add_argument("--confirm", type=int, default=3, help="paired rounds re-measuring the sweep best and the winner")
     args = ap.parse_args()
 
+    from threefold.analysis.intervals import bootstrap
     from threefold.api import configure
-    from threefold.observe.intervals import bootstrap
     from threefold.planner.categories import kendall_tau
     from threefold.planner.tune.loop import TuneOptions, Tuner
     from threefold.planner.tune.output import write_outputs

@@ -15,8 +15,8 @@ from threefold.data import GlobalBatchSampler, load_tokens
 from threefold.distributed.data_parallel import measure_memory
 from threefold.distributed.grid import Grid, Group
 from threefold.distributed.parallelize import build_model
-from threefold.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at
-from threefold.train.trainer import Trainer
+from threefold.training.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at
+from threefold.training.trainer import Trainer
 from threefold.validate import validate
 
 from harness import CALM_LR

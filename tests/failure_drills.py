@@ -1,4 +1,4 @@
-"""Failures staged inside real training workers, for tests/test_failures.py (module level: the
+"""Failures staged inside real training workers, for tests/training/test_failures.py (module level: the
 elastic agent's spawned workers and the harness's ranks import it).
 
     python failure_drills.py OVERRIDES_JSON DRILLS_JSON   # `threefold train` with drills, as cli.py
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     on a failure, as the command line does."""
     from threefold.api import configure, train
     from threefold.distributed.launch import WorkersFailed
-    from threefold.train.callbacks import Callbacks
+    from threefold.training.callbacks import Callbacks
 
     overrides, drills = json.loads(argv[0]), json.loads(argv[1])
     callbacks = Callbacks(on_step_end=Drills(tuple(Drill(**d) for d in drills)))
@@ -85,8 +85,8 @@ def slow_phases(cfg_dict: dict, first_step_s: float, save_s: float):
     host phases its peers wait through: rank 1 takes `first_step_s` before its first step (as a
     compilation does) and rank 0 `save_s` writing each checkpoint (as dp rank 0 alone does)."""
     import threefold.checkpoint.writer as writer
-    from threefold.train.trainer import Trainer
-    from threefold.train.worker import run_worker
+    from threefold.training.trainer import Trainer
+    from threefold.training.worker import run_worker
 
     rank = int(os.environ["RANK"])
     if rank == 1:

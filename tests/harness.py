@@ -21,7 +21,7 @@ def free_port() -> int:
 
 # Workers fork from one server process that imported these once: a spawned worker would spend
 # ~3 s of CPU importing torch and threefold again, which is most of a short parity run.
-PRELOAD = ["torch", "torch.distributed", "threefold.train.worker", "threefold.train.trainer"]
+PRELOAD = ["torch", "torch.distributed", "threefold.training.worker", "threefold.training.trainer"]
 
 
 def _context():
@@ -115,7 +115,7 @@ def run_training(overrides: dict, log_dir, cache_dir: str, timeout: float = 240.
     from pathlib import Path
 
     from threefold.config import build_config
-    from threefold.train.worker import run_worker
+    from threefold.training.worker import run_worker
     from threefold.validate import validate
 
     pairs = [(k, str(v)) for k, v in overrides.items()]
@@ -182,8 +182,8 @@ def train_configs(jobs: list[dict]) -> None:
 
     from threefold.config import Config
     from threefold.distributed.grid import Grid
-    from threefold.train.trainer import Trainer
-    from threefold.train.worker import layout_of
+    from threefold.distributed.runtime import layout_of
+    from threefold.training.trainer import Trainer
 
     grids: dict = {}
     for cfg_dict in jobs:

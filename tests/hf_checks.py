@@ -1,4 +1,4 @@
-"""Helpers of tests/test_hf_interop.py: tiny random Hugging Face models, and the check that runs
+"""Helpers of tests/checkpoint/test_hf_interop.py: tiny random Hugging Face models, and the check that runs
 inside spawned ranks (logits of an imported checkpoint in a tensor/pipeline-parallel layout)."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 from torch.overrides import TorchFunctionMode
 
-from threefold.observe.timer import DeviceTimer
+from threefold.distributed.timer import DeviceTimer
 
 _READS = {
     torch.Tensor.item: "item",

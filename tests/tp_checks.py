@@ -1,4 +1,4 @@
-"""Checks run inside the spawned ranks of tests/test_tensor_parallel.py.
+"""Checks run inside the spawned ranks of tests/distributed/test_tensor_parallel.py.
 
 One spawned process group runs many checks (spawning is the slow part on a small CPU box):
 each check compares a tensor-parallel layer or model with an unsharded reference built from
@@ -233,8 +233,8 @@ def dropout_recompute(grid: Grid, overrides: dict) -> Diffs:
 
 def activation_memory(grid: Grid, overrides: dict, batch: int) -> dict:
     """Bytes per layer autograd saves on this rank (SavedTensorMeter), for the formula test."""
+    from threefold.model.activations import SavedTensorMeter
     from threefold.model.layers import rope_tables
-    from threefold.observe.activations import SavedTensorMeter
 
     cfg = model_config(overrides)
     model, m = build_model(cfg, grid, torch.device("cpu")), cfg.model

@@ -8,19 +8,17 @@ spawn and `threefold plan` do not pay for torch until they need it.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
-__version__ = "0.1.0"
+from threefold.version import __version__
 
 # name -> "module:attribute" it is exported from.
 EXPORTS: dict[str, str] = {
     # configuration and the run
     "Config": "threefold.config:Config",
     "configure": "threefold.api:configure",
-    "train": "threefold.api:train",  # called through the threefold.train package (see _TrainPackage)
-    "Callbacks": "threefold.train.callbacks:Callbacks",
-    "Trainer": "threefold.train.trainer:Trainer",
+    "train": "threefold.api:train",
+    "Callbacks": "threefold.training.callbacks:Callbacks",
+    "Trainer": "threefold.training.trainer:Trainer",
     # your own model
     "ModelSpec": "threefold.model.custom:ModelSpec",
     "Parallel": "threefold.model.custom:Parallel",
@@ -68,30 +66,7 @@ EXPORTS: dict[str, str] = {
 __all__ = ["__version__", *EXPORTS]
 
 
-class _TrainPackage(types.ModuleType):
-    """`threefold.train` names both the package of the training loop (threefold.train.trainer, ...)
-    and the API's train function: the import system binds the package to that attribute, so the
-    package itself is made callable, forwarding to threefold.api.train."""
-
-    def __call__(self, cfg, model=None, callbacks=None) -> dict:
-        from threefold.api import train
-
-        return train(cfg, model, callbacks)
-
-
-class _Threefold(types.ModuleType):
-    def __setattr__(self, name: str, value) -> None:
-        if name == "train" and type(value) is types.ModuleType:  # the subpackage, just imported
-            value.__class__ = _TrainPackage
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Threefold
-
-
 def __getattr__(name: str):
-    if name == "train":
-        return importlib.import_module("threefold.train")  # binds the callable package (above)
     target = EXPORTS.get(name)
     if target is None:
         raise AttributeError(f"module 'threefold' has no attribute {name!r}")

@@ -62,7 +62,7 @@ def train(
     checkpoints), so they must be picklable module-level functions. Raises UserError for bad
     input (one line), WorkersFailed when a worker failed."""
     from threefold.model.custom import arch_of
-    from threefold.train.entry import start_workers
+    from threefold.training.entry import start_workers
 
     cfg = configure(cfg)
     if model is not None:

@@ -25,7 +25,11 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from threefold.atomic import atomic_write, fsync_dir  # noqa: F401 - fsync_dir: see write_atomic
 from threefold.errors import UserError
+
+# checkpoint/io.py's publish and bench/gpu.py import fsync_dir and write_atomic from here.
+write_atomic = atomic_write
 
 FORMAT = "threefold-checkpoint/2"
 LEGACY = "threefold-checkpoint/1"
@@ -190,7 +194,7 @@ def write_tables(directory: Path, manifest: Manifest, shards: str, files: str) -
             f.flush()
             os.fsync(f.fileno())
         manifest.index[name] = [len(data), hashlib.sha256(data).hexdigest()]
-    write_atomic(directory / MANIFEST, manifest.to_json())
+    atomic_write(directory / MANIFEST, manifest.to_json())
 
 
 def sha256_of(path: Path) -> str:
@@ -227,24 +231,6 @@ def verify(directory: Path, manifest: Manifest, files=None) -> None:
     for name in files:
         meta = manifest.files[name]
         _check_file(directory / name, meta["bytes"], meta["sha256"], "shard file")
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def step_dir_name(step: int) -> str:

@@ -11,12 +11,12 @@ import hashlib
 import json
 import os
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from threefold.atomic import atomic_open, atomic_write
 from threefold.data.blend import Blend, Part, parse_blend
 from threefold.data.indexed import indexed_prefix, read_indexed
 from threefold.data.tokenizer import ByteTokenizer, open_tokenizer
@@ -229,7 +229,7 @@ def _cached_tokens(root, files, tok, cache: Path) -> tuple[np.memmap, dict]:
         try:
             cache.mkdir(parents=True, exist_ok=True)
             meta = _build_cache(files, tok, bin_path, key)
-            _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+            atomic_write(meta_path, json.dumps(meta, indent=1).encode())
         except OSError as e:
             raise DataError(
                 f"{cache}: cannot write the token cache ({e.strerror}; set "
@@ -312,7 +312,10 @@ def write_token_file(files, tok, bin_path: Path, batch: int = 64) -> dict:
                 flush()
         flush()
 
-    _atomic_write(bin_path, write)
+    # Concurrent ranks building the same cache each write a private temp file; the last
+    # rename wins with identical bytes.
+    with atomic_open(bin_path) as fh:
+        write(fh)
     return {
         "tokenizer": tok.name,
         "dtype": dtype,
@@ -328,23 +331,3 @@ def _is_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
-
-
-def _atomic_write(dest: Path, content) -> None:
-    """Write `content` (bytes, or a function writing to a binary file) so that readers only
-    ever see the old file or the complete new one: concurrent ranks building the same cache
-    each write a private temp file and the last os.replace wins with identical bytes."""
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache must be readable by all
-        with os.fdopen(fd, "wb") as fh:
-            if isinstance(content, bytes):
-                fh.write(content)
-            else:
-                content(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

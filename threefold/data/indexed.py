@@ -20,13 +20,13 @@ as such and the sampler cuts windows across documents, exactly as for a raw `.bi
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from threefold.atomic import PendingFile, atomic_open
 from threefold.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -159,35 +159,28 @@ class IndexedWriter:
         if self.dtype not in CODE_OF:
             raise ValueError(f"no indexed-dataset code for {self.dtype}")
         self.idx, self.bin = idx_bin(prefix)
-        self._tmp_bin = self.bin.with_name(f".{self.bin.name}.{os.getpid()}.tmp")
-        self._fh = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in close()/abort()
+        self._pending_bin = PendingFile(self.bin)
         self.lengths: list[int] = []
 
     def add(self, ids: np.ndarray) -> None:
-        self._fh.write(np.asarray(ids, dtype=self.dtype).tobytes())
+        self._pending_bin.file.write(np.asarray(ids, dtype=self.dtype).tobytes())
         self.lengths.append(len(ids))
 
     def add_lengths(self, data: bytes, lengths: np.ndarray) -> None:
         """Append pre-encoded documents: `data` holds them back to back, `lengths` each size."""
-        self._fh.write(data)
+        self._pending_bin.file.write(data)
         self.lengths.extend(int(n) for n in lengths)
 
     def close(self) -> None:
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
-        os.replace(self._tmp_bin, self.bin)
+        self._pending_bin.publish()
         write_index(self.idx, self.dtype, np.asarray(self.lengths, dtype=np.int32))
 
     def abort(self) -> None:
-        self._fh.close()
-        self._tmp_bin.unlink(missing_ok=True)
+        self._pending_bin.discard()
 
 
 def write_index(idx: Path, dtype: np.dtype, lengths: np.ndarray) -> None:
     """prefix.idx for one-sequence documents of `lengths` elements each, written atomically."""
-    from threefold.data.corpus import _atomic_write
-
     lengths = np.asarray(lengths, dtype=np.int32)
     n = len(lengths)
     pointers = np.zeros(n, dtype=np.int64)
@@ -195,10 +188,8 @@ def write_index(idx: Path, dtype: np.dtype, lengths: np.ndarray) -> None:
     pointers *= np.dtype(dtype).itemsize
     docs = np.arange(n + 1, dtype=np.int64)
 
-    def write(fh):
+    with atomic_open(idx) as fh:
         fh.write(_HEADER.pack(MAGIC, VERSION, CODE_OF[np.dtype(dtype)], n, n + 1))
         fh.write(lengths.tobytes())
         fh.write(pointers.tobytes())
         fh.write(docs.tobytes())
-
-    _atomic_write(idx, write)

@@ -18,7 +18,6 @@ skipping the shards already finished. Bad records are counted per class and skip
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import hashlib
 import json
@@ -29,7 +28,8 @@ import sysconfig
 import time
 from pathlib import Path
 
-from threefold.data.corpus import _atomic_write, stdlib_source_files
+from threefold.atomic import atomic_write
+from threefold.data.corpus import stdlib_source_files
 from threefold.data.indexed import megatron_dtype
 from threefold.data.prepare_workers import init_worker, is_done, merge_shards, tokenize_shard
 from threefold.data.sources import BAD_CLASSES, Bad, detect_format, plan_shards, records, text_shards
@@ -152,7 +152,7 @@ def prepare(
         else:
             log(f"prepare: training a {vocab}-id BPE tokenizer on up to {sample_mb:g} MB of {label}")
             bpe = train_bpe(_sample(shards, json_key, int(sample_mb * (1 << 20))), vocab)
-            _atomic_write(tok_file, bpe.to_str().encode())
+            atomic_write(tok_file, bpe.to_str().encode())
     tok = FileTokenizer(str(tok_file))
     if tok.separator is None:
         raise DataError(
@@ -177,7 +177,7 @@ def prepare(
         "max_id": max(r["max_id"] for r in results),
         "bad": bad,
     }
-    _atomic_write(meta_path, json.dumps(meta, indent=1).encode())  # last: its key marks the dataset done
+    atomic_write(meta_path, json.dumps(meta, indent=1).encode())  # last: its key marks the dataset done
     shutil.rmtree(work, ignore_errors=True)
     return meta
 
@@ -259,42 +259,3 @@ def _report_bad(results: list, log) -> dict:
     for kind in sorted(counts):
         log(f"prepare: skipped {counts[kind]} records: {BAD_CLASSES[kind]} (first at {first[kind]})")
     return counts
-
-
-def data_command(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="threefold data")
-    sub = parser.add_subparsers(dest="action", required=True)
-    prep = sub.add_parser("prepare", help="tokenize a corpus into a Megatron indexed dataset (tokens.bin/.idx)")
-    prep.add_argument("--out", required=True, help="directory for tokenizer.json and tokens.bin/.idx/.json")
-    prep.add_argument("--data.path", dest="path", default="", help="corpus ('' = Python stdlib sources)")
-    prep.add_argument("--format", default="auto", help="auto (by file names), jsonl, parquet, text or hf")
-    prep.add_argument("--json-key", default="text", help="JSON key / Parquet or dataset column of the text")
-    prep.add_argument("--tokenizer", default="", help="tokenizer.json to use (default: train a BPE one)")
-    prep.add_argument("--vocab", type=int, default=8192, help="size of the BPE tokenizer to train (default 8192)")
-    prep.add_argument("--sample-mb", type=float, default=256.0, help="MB of text the BPE tokenizer trains on")
-    prep.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
-    prep.add_argument("--max-bad", type=int, default=1000, help="bad records tolerated before exit 2")
-    prep.add_argument("--shard-mb", type=float, default=32.0, help="input MB per shard, at most (unit of work, resume)")
-    args = parser.parse_args(argv)
-    meta = prepare(
-        args.path,
-        args.out,
-        args.vocab,
-        tokenizer=args.tokenizer,
-        json_key=args.json_key,
-        fmt=args.format,
-        workers=args.workers,
-        max_bad=args.max_bad,
-        shard_mb=args.shard_mb,
-        sample_mb=args.sample_mb,
-    )
-    out = Path(args.out)
-    print(
-        f"wrote {out / 'tokenizer.json'} ({meta['vocab']} ids) and {out / PREFIX}.bin/.idx "
-        f"({meta['num_tokens']:,} {meta['dtype']} tokens from {meta['documents']:,} documents)"
-    )
-    print(
-        f"train with: --data.path {out / PREFIX} --data.tokenizer {out / 'tokenizer.json'} "
-        f"--model.vocab {meta['vocab']}"
-    )
-    return 0

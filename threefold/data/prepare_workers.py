@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from threefold.atomic import atomic_open, atomic_write
 from threefold.data.indexed import IndexedWriter, idx_bin, read_indexed, write_index
 from threefold.data.sources import Bad, Shard, records
 
@@ -97,9 +98,7 @@ def tokenize_shard(job: tuple[int, dict, str, str, int, str]) -> dict:
         raise
     meta = {**stats, "bad": bad, "first_bad": first_bad, "bytes": shard_dict["size"], "seconds": 0.0}
     meta["seconds"] = time.perf_counter() - t0
-    from threefold.data.corpus import _atomic_write
-
-    _atomic_write(marker, json.dumps(meta).encode())
+    atomic_write(marker, json.dumps(meta).encode())
     return meta
 
 
@@ -140,8 +139,6 @@ def _encode(texts: list[str], wheres: list[str]) -> tuple[list[list[int]], list[
 def merge_shards(work: Path, count: int, prefix: Path) -> tuple[int, int]:
     """Concatenate shards 0..count-1 into prefix.bin/.idx (streamed; the index is rebuilt from
     the shards' lengths). Returns (documents, tokens)."""
-    from threefold.data.corpus import _atomic_write
-
     lengths = []
     dtype = None
 
@@ -157,7 +154,8 @@ def merge_shards(work: Path, count: int, prefix: Path) -> tuple[int, int]:
                 shutil.copyfileobj(src, fh, 1 << 24)
 
     _, bin_path = idx_bin(prefix)
-    _atomic_write(bin_path, write)
+    with atomic_open(bin_path) as fh:
+        write(fh)
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
     write_index(idx_bin(prefix)[0], dtype if dtype is not None else np.dtype(np.uint16), all_lengths)
     return len(all_lengths), int(all_lengths.sum(dtype=np.int64))

@@ -1,5 +1,5 @@
 """Every collective and point-to-point transfer threefold issues, and the process group's start
-and end: the one module that talks to torch.distributed (tests/test_comm.py fails on a direct
+and end: the one module that talks to torch.distributed (tests/distributed/test_comm.py fails on a direct
 call anywhere else).
 
 Each data-plane function takes the `Group` it talks to (distributed/grid.py) and

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from threefold.train import failures
+from threefold.distributed import failures
 
 
 class WorkersFailed(RuntimeError):

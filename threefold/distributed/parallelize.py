@@ -16,12 +16,14 @@ The order is fixed (as in torchtitan):
   5. seed the dropout generator for this rank's place in the grid.
 
 A user model (model.arch "module:function", model/custom.py) takes the same steps, with its own
-plan of module names turned into threefold's TP layers by `apply_user_plan`.
+plan of module names turned into rows of tensor_parallel/apply.py's styles by `apply_user_plan`;
+steps 3-5 are one function for both (`_finish`).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -31,13 +33,8 @@ from threefold.config import Config
 from threefold.distributed.context_parallel.apply import apply_context_parallel
 from threefold.distributed.expert_parallel import apply_expert_parallel
 from threefold.distributed.grid import Grid
-from threefold.distributed.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    apply_tensor_parallel,
-    vocab_parallel_cross_entropy,
-)
+from threefold.distributed.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+from threefold.distributed.tensor_parallel.apply import USER_STYLES, PlanContext, apply_plan
 from threefold.distributed.tensor_parallel.mappings import scatter_to_sequence_region
 from threefold.errors import ConfigError
 from threefold.model import custom
@@ -68,15 +65,38 @@ def build_model(
         apply_expert_parallel(model, grid, cfg.model)
     # Off the meta device: the positions are real tensors; the core holds no parameters.
     apply_context_parallel(model, grid, cfg.parallel.cp_impl, cfg.model.seq_len, device)
-    apply_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
+    where = {"cfg": cfg.model, "seed": cfg.train.seed, "first": first, "last": last}
+    if defer_init:
+        initialize = partial(tie_and_defer, device=device, **where)
+    else:
+        initialize = partial(tie_and_init, **where)
+    return _finish(model, cfg, grid, device, initialize, defer=defer_init)
+
+
+def _finish(
+    model: nn.Module,
+    cfg: Config,
+    grid: Grid,
+    device: torch.device,
+    initialize: Callable[[nn.Module], None],
+    defer: bool = False,
+    selective: tuple[str, ...] | None = None,
+) -> nn.Module:
+    """Steps 3-5 of every model, parallelism applied: recompute, compile, materialize, declare
+    the shards, `initialize` them, seed dropout. `selective`: the module-name patterns a user
+    model's train.recompute selective reruns (the built-in blocks' attention core otherwise)."""
+    mode = cfg.train.recompute
+    if mode == "selective" and selective is not None:  # validate_arch made sure the spec names them
+        for name, module in list(model.named_modules()):
+            if any(custom.matches(pattern, name) for pattern in selective):
+                recompute_module(module)
+    else:
+        apply_recompute(model, mode, cfg.train.recompute_layers)
     if cfg.train.compile:  # after TP/EP/recompute: their modules stay outside the compiled code
         compile_blocks(model, cfg.train.compile_backend)
-    materialize(model, device, defer=defer_init)
+    materialize(model, device, defer=defer)
     declare(model, grid.tp)
-    if defer_init:
-        tie_and_defer(model, cfg.model, cfg.train.seed, device, first, last)
-    else:
-        tie_and_init(model, cfg.model, cfg.train.seed, first, last)
+    initialize(model)
     torch.manual_seed(dropout_seed(cfg.train.seed, grid, cfg.parallel.sp))
     return model
 
@@ -115,20 +135,8 @@ def build_user_model(
             finish_composed(model, grid.tp, p.sp)
         else:
             apply_user_plan(model, spec, grid, p.sp, p.tp_comm_overlap)
-    mode = cfg.train.recompute
-    if mode == "full":
-        apply_recompute(model, mode, cfg.train.recompute_layers)
-    elif mode == "selective":  # validate_arch made sure the spec names what to rerun
-        for name, module in list(model.named_modules()):
-            if any(custom.matches(pattern, name) for pattern in spec.selective):
-                recompute_module(module)
-    if cfg.train.compile:
-        compile_blocks(model, cfg.train.compile_backend)
-    materialize(model, device)
-    declare(model, grid.tp)
-    custom.init_user_weights(model, rules, cfg.train.seed)
-    torch.manual_seed(dropout_seed(cfg.train.seed, grid, cfg.parallel.sp))
-    return model
+    initialize = partial(custom.init_user_weights, rules=rules, seed=cfg.train.seed)
+    return _finish(model, cfg, grid, device, initialize, selective=spec.selective)
 
 
 def apply_user_plan(model: nn.Module, spec, grid: Grid, sp: bool, overlap: bool) -> nn.Module:
@@ -142,23 +150,33 @@ def apply_user_plan(model: nn.Module, spec, grid: Grid, sp: bool, overlap: bool)
     tp = grid.tp
     if tp.size == 1:
         return model
-    for name, module in list(model.named_modules()):
-        style = custom.style_of(spec, name)
-        if style is None:
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                raise ConfigError(
-                    "model.arch",
-                    f"{name} ({type(module).__name__}) has no tensor-parallel plan entry",
-                    "valid: " + ", ".join(custom.PLAN_STYLES),
-                )
-            continue
-        new = _swap(name, module, style, model, tp, sp, overlap)
-        if new is not None:
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent), leaf, new)
+    for name, module in model.named_modules():
+        _check_plan_entry(name, module, custom.style_of(spec, name))
+    rows = tuple((pattern, USER_STYLES[style]) for pattern, style in spec.plan.items())
+    apply_plan(model, rows, PlanContext(tp, sp, overlap, model))
     if sp:
         _sequence_parallel(model, tp)
     return model
+
+
+def _check_plan_entry(name: str, module: nn.Module, style: str | None) -> None:
+    """Every nn.Linear / nn.Embedding is planned, and each style gets a module it can replace."""
+    linear, embedding = isinstance(module, nn.Linear), isinstance(module, nn.Embedding)
+    if style is None and (linear or embedding):
+        raise ConfigError(
+            "model.arch",
+            f"{name} ({type(module).__name__}) has no tensor-parallel plan entry",
+            "valid: " + ", ".join(custom.PLAN_STYLES),
+        )
+    if style in ("column", "row"):
+        fits, needs = linear, "an nn.Linear"
+    elif style == "vocab":
+        fits, needs = embedding or (linear and name.startswith("head.")), "an nn.Embedding or the head's nn.Linear"
+    else:
+        return
+    if not fits:
+        what = f"plan entry {style!r} for {name} ({type(module).__name__})"
+        raise ConfigError("model.arch", what, f"it needs {needs}")
 
 
 def finish_composed(model: nn.Module, tp, sp: bool) -> nn.Module:
@@ -182,22 +200,3 @@ def _sequence_parallel(model: nn.Module, tp) -> None:
             own = [n for n, _ in module.named_parameters(recurse=False)]
             if own and not hasattr(module, "shard_specs") and not hasattr(module, "tp_sum_grads"):
                 module.tp_sum_grads = tuple(own)
-
-
-def _swap(name: str, module: nn.Module, style: str, model: nn.Module, tp, sp: bool, overlap: bool):
-    """The replacement of one planned module (None: it stays as it is)."""
-    if style == "replicated":
-        return None
-    linear, embedding = isinstance(module, nn.Linear), isinstance(module, nn.Embedding)
-    bias = linear and module.bias is not None
-    if style == "vocab" and embedding:
-        return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, tp)
-    if style == "vocab" and linear and name.startswith("head."):
-        model.loss_fn = partial(vocab_parallel_cross_entropy, group=tp)
-        return ColumnParallelLinear(module.in_features, module.out_features, tp, bias=bias, sp=sp, overlap=overlap)
-    if style == "column" and linear:
-        return ColumnParallelLinear(module.in_features, module.out_features, tp, bias=bias, sp=sp, overlap=overlap)
-    if style == "row" and linear:
-        return RowParallelLinear(module.in_features, module.out_features, tp, bias=bias, sp=sp)
-    what = {"vocab": "an nn.Embedding or the head's nn.Linear"}.get(style, "an nn.Linear")
-    raise ConfigError("model.arch", f"plan entry {style!r} for {name} ({type(module).__name__})", f"it needs {what}")

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from threefold.config import Config
 from threefold.distributed import comm
+from threefold.distributed.grid import RankLayout
 from threefold.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -162,3 +164,18 @@ def _close(groups: Iterable[comm.Group], barrier: comm.Group | None) -> None:
             group.deadlines.open_phases -= 1
             if group.deadlines.open_phases == 0:
                 comm.set_timeout(group, group.deadlines.regular)
+
+
+def layout_of(cfg: Config) -> RankLayout:
+    p = cfg.parallel
+    return RankLayout(tp=p.tp, cp=p.cp, ep=p.ep, dp=p.dp, pp=p.pp, order=p.order)
+
+
+def join_group(cfg: Config, env: WorkerEnv, timeout_s: float | None = None) -> torch.device:
+    """This process's device (its intra-op threads on CPU), and the job's process group joined
+    with `timeout_s` (default train.timeout_s)."""
+    device = resolve_device(cfg.train.device, env.local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.train.threads)
+    init_distributed(device, cfg.train.timeout_s if timeout_s is None else timeout_s)
+    return device

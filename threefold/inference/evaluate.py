@@ -12,26 +12,20 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import nn
 
 from threefold.config import Config
-from threefold.data import load_tokens
-from threefold.data.split import heldout_starts
+from threefold.data.heldout import HeldOut
 from threefold.distributed.comm import all_reduce_sum
 from threefold.distributed.context_parallel.apply import split_sequence
 from threefold.distributed.grid import Grid
 from threefold.inference.forward import pipeline_forward
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = torch.from_numpy(np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int64))
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-
-
-def evaluate(chunks: list[nn.Module], grid: Grid, cfg: Config, tokens: np.ndarray, starts: np.ndarray) -> dict:
-    """{"loss", "perplexity", "tokens"} of the windows at `starts` (seq_len + 1 tokens each)."""
+def evaluate(chunks: list[nn.Module], grid: Grid, cfg: Config, held: HeldOut) -> dict:
+    """{"loss", "perplexity", "tokens"} of the held-out windows (seq_len + 1 tokens each)."""
+    starts = held.starts
     seq, mb, dp = cfg.model.seq_len, cfg.train.micro_batch, grid.layout.dp
     mine = starts[grid.dp_rank :: dp]
     rounds = math.ceil(math.ceil(len(starts) / dp) / mb)
@@ -45,7 +39,7 @@ def evaluate(chunks: list[nn.Module], grid: Grid, cfg: Config, tokens: np.ndarra
             real = len(batch) > 0
             if not real:  # keep in step with the other dp ranks (ZeRO-3 gathers); loss discarded
                 batch = starts[:1]
-            x, y = (split_sequence(t, grid) for t in _windows(tokens, batch, seq))  # cp: this rank's columns
+            x, y = (split_sequence(t, grid) for t in held.windows(batch))  # cp: this rank's columns
             out = pipeline_forward(chunks, grid, x, y, cfg.model.hidden, cfg.parallel.sp)
             if out is not None and real:
                 total += float(out.double())
@@ -60,16 +54,11 @@ def evaluate(chunks: list[nn.Module], grid: Grid, cfg: Config, tokens: np.ndarra
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": n}
 
 
-class HeldOut:
-    """The evaluation windows of a run: the last data.val_fraction of its token stream."""
+class HeldOutEval:
+    """Validation loss on a run's held-out windows (threefold.data.heldout), loaded once."""
 
     def __init__(self, cfg: Config):
-        d = cfg.data
-        stream = load_tokens(d.path, d.vocab, d.dtype, d.cache_dir, d.tokenizer)
-        self.tokens = stream.tokens
-        self.source = stream.source
-        self.vocab_size = stream.vocab_size
-        self.starts = heldout_starts(len(stream.tokens), cfg.model.seq_len, d.val_fraction, cfg.train.eval_sequences)
+        self.held = HeldOut(cfg)
 
     def evaluate(self, chunks: list[nn.Module], grid: Grid, cfg: Config) -> dict:
-        return evaluate(chunks, grid, cfg, self.tokens, self.starts)
+        return evaluate(chunks, grid, cfg, self.held)

@@ -16,7 +16,7 @@ split and send dimension 0 (model/layers.py). Attention must take its shapes fro
 tensors (`s, b = q.shape[:2]; q.view(s, b, -1, head_dim)`): under TP a rank holds heads/tp of
 the heads, and under SP a block's input holds seq/tp rows while the projections see them all.
 
-FLOPs (observe/flops.py for a user arch): threefold counts them, per token and block, as
+FLOPs (model/flops.py for a user arch): threefold counts them, per token and block, as
 2 x (weights of the block's nn.Linear modules) + the causal attention term 4·heads·head_dim·s_eff
 from model.heads and model.hidden (as for the built-in blocks); the head adds 2·hidden·vocab;
 training is 3 x forward. Parameters are counted from the modules themselves.
@@ -163,8 +163,15 @@ def matches(pattern: str, name: str) -> bool:
     return len(parts) == len(names) and all(fnmatchcase(n, p) for p, n in zip(parts, names))
 
 
+def first_match(rows, name: str):
+    """The value of the first (pattern, value) row whose pattern matches `name`, or None: how a
+    plan picks a module's style (a user plan's strings here, TP_PLAN's functions in
+    distributed/tensor_parallel/apply.py)."""
+    return next((value for pattern, value in rows if matches(pattern, name)), None)
+
+
 def style_of(spec: ModelSpec, name: str) -> str | None:
-    return next((style for pattern, style in spec.plan.items() if matches(pattern, name)), None)
+    return first_match(spec.plan.items(), name)
 
 
 class UserModel(nn.Module):
@@ -256,7 +263,7 @@ def init_user_weights(model: nn.Module, rules: dict[str, tuple[str, float]], see
         param.copy_(values)
 
 
-# --- counting (observe/flops.py for a user arch) -----------------------------------------------
+# --- counting (model/flops.py for a user arch) -----------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,7 @@
-"""Observation: FLOPs and parameter counts, device peak and MFU, metrics and run records."""
+"""Recording a run as it goes: spans, the device peak and MFU, metrics and run records, traces,
+goodput, and the live band check. (What a FLOP count is: threefold.model.flops; reading a
+finished run back: threefold.analysis.)"""
 
-from threefold.observe.flops import (
-    active_params,
-    forward_flops_per_token,
-    hardware_flops_per_token,
-    megatron_flops_per_iteration,
-    total_params,
-    train_flops_per_token,
-)
 from threefold.observe.metrics import (
     MetricsWriter,
     hardware_info,
@@ -18,15 +12,9 @@ from threefold.observe.peak import device_peak_flops, mfu
 
 __all__ = [
     "MetricsWriter",
-    "active_params",
     "device_peak_flops",
-    "forward_flops_per_token",
-    "hardware_flops_per_token",
     "hardware_info",
-    "megatron_flops_per_iteration",
     "mfu",
     "peak_memory_bytes",
-    "total_params",
-    "train_flops_per_token",
     "write_run_json",
 ]

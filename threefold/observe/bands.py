@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from threefold.errors import ConfigError
-from threefold.observe.spans import CATEGORIES
-from threefold.observe.summary import OWN
+from threefold.observe.spans import CATEGORIES, OWN
 
 BAND_SIGMAS = 4.0
 BAND_FLOOR = 0.03  # three points of the step: what a busy shared host moves a share by

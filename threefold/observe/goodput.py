@@ -11,7 +11,7 @@
     other_s        the rest: start-up of the first attempt, logging, data set-up
 
 MTTR of a failure is measured from the failure to the end of the first new step. A fault
-injected by threefold.train.faults records its exact time in faults.jsonl; for a real failure
+injected by threefold.training.faults records its exact time in faults.jsonl; for a real failure
 the end of the last completed step stands in for it (an over-estimate by < one step).
 
 Everything is derived from metrics.jsonl (every line carries `segment`, an id of the process
@@ -24,6 +24,8 @@ import json
 import os
 import time
 from pathlib import Path
+
+from threefold.atomic import atomic_write
 
 FAULTS = "faults.jsonl"
 SUMMARY = "goodput.json"
@@ -151,6 +153,4 @@ class Goodput:
             return
         path = self.dir / SUMMARY
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(SUMMARY + ".tmp")
-        tmp.write_text(json.dumps(self.summary(), indent=1) + "\n")
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(self.summary(), indent=1) + "\n")

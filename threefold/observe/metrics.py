@@ -12,13 +12,13 @@ import os
 import platform
 import resource
 import sys
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy
 import torch
 
+from threefold.atomic import atomic_write
 from threefold.observe.peak import cpu_model
 
 
@@ -127,12 +127,8 @@ def hardware_info(device: torch.device | str) -> dict:
 
 
 def _versions() -> dict:
-    try:
-        import threefold
+    from threefold.version import __version__ as version
 
-        version = getattr(threefold, "__version__", "unknown")
-    except ImportError:
-        version = "unknown"
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -166,15 +162,7 @@ def write_run_json(
     }
     path = Path(log_dir) / "run.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="run.json", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(_dumps(doc, indent=2) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, _dumps(doc, indent=2) + "\n")
     return path
 
 

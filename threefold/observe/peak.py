@@ -13,12 +13,13 @@ import json
 import os
 import platform
 import re
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
+
+from threefold.atomic import atomic_write
 
 T = 1e12
 # (regex on torch.cuda.get_device_name(), {dtype key: dense FLOP/s}); first match wins,
@@ -134,17 +135,9 @@ def _read_cache(path: Path) -> dict:
 
 
 def _write_cache(path: Path, data: dict) -> None:
-    # Temp file in the same directory + os.replace: concurrent ranks never see half a file.
+    # Replaced atomically: concurrent ranks never see half a file.
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def cpu_peak_flops(dtype: torch.dtype, threads: int | None = None, cache_dir: str = "") -> float:

@@ -44,6 +44,10 @@ dp_exposed: data-parallel gradient reduction left after backward; ep_a2a: expert
 all-to-all; sync: the step's small global reductions (loss, tied embedding, metrics); data_wait:
 waiting for the next batch; optimizer: gradient norm, clipping, AdamW and ZeRO's parameter
 gather; checkpoint: a save blocking the step; other: the rest of the step (Python between spans)."""
+OWN = COMPUTE + ("data_wait", "checkpoint", "eval", "other")
+"""A rank's own work (not waiting for another rank): a slow rank's extra time lands here, where its
+peers' waits land in the communication categories."""
+
 
 INDEX = {c: i for i, c in enumerate(CATEGORIES)}
 

@@ -63,7 +63,7 @@ class QueuedStep:
     the health vector reduced over the world (flags, then the slowest rank's values)."""
     tp_comm_bytes: int
     timers: dict
-    """The step's exposed-communication timers (observe/timer.py) by metric name, each a list (one
+    """The step's exposed-communication timers (distributed/timer.py) by metric name, each a list (one
     per engine), unread: on CUDA a read waits for the device, so read_step reads them."""
     schedule: object
     """The schedule's timers (the pipeline executor's PipelineStats), unread, as `timers`."""

@@ -10,9 +10,9 @@ nodes). Traced steps follow one another on the time axis, separated by a small g
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
+
+from threefold.atomic import atomic_open
 
 GAP_US = 1000.0  # between consecutive traced steps
 
@@ -65,15 +65,8 @@ def step_events(step: int, offset_us: float, per_rank: list[tuple[int, list]]) -
 def write_json_atomic(path: Path, doc) -> None:
     """Write to a temp file and rename: a reader sees the old file or the new one, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, separators=(",", ":"))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_open(path, text=True) as f:
+        json.dump(doc, f, separators=(",", ":"))
 
 
 class TraceFile:

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Collection
 
 import numpy as np
 
-from threefold.planner.cost import from_unit, unit
+from threefold.planner.units import from_unit, unit
 
 K = 2.0  # interval half-width in sigmas: ~95% for log-normal residuals
 SIGMA_PRIOR = math.log(2.0)
@@ -154,12 +155,12 @@ def with_categories(cluster, fitted: dict[str, dict[str, float]], spread: dict[s
     return c
 
 
-def read_categories(path: str) -> dict[str, dict[str, float]]:
+def read_categories(path: str, cluster_keys: Collection[str]) -> dict[str, dict[str, float]]:
     """A calibrated profile's [categories.NAME] tables: a measured category's own fitted
-    parameters (keys of [cluster]) and log_sigma, its residuals' spread ({} when none)."""
+    parameters (of `cluster_keys`, the keys of [cluster]: the caller's, which keeps this module
+    below cluster.py) and log_sigma, its residuals' spread ({} when none)."""
     from threefold.config import read_toml_file
     from threefold.errors import ConfigError
-    from threefold.planner.cluster import FIELDS
     from threefold.planner.validation import NAMES
 
     table = read_toml_file(path, "cluster.profile").get("categories", {})
@@ -171,7 +172,7 @@ def read_categories(path: str) -> dict[str, dict[str, float]]:
             )
         for key, value in values.items():
             if (
-                (key != "log_sigma" and key not in FIELDS)
+                (key != "log_sigma" and key not in cluster_keys)
                 or isinstance(value, bool)
                 or not isinstance(value, (int, float))
             ):

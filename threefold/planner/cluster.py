@@ -305,7 +305,7 @@ def build_cluster(overrides: dict[str, Any] | list[tuple[str, Any]] = (), cache_
         cluster.validation = read_validation(given["profile"])
         from threefold.planner.categories import read_categories
 
-        cluster.categories = read_categories(given["profile"])
+        cluster.categories = read_categories(given["profile"], FIELDS)
     cluster.device = device_name(cluster.device)
     _fill_from_profile(cluster, cache_dir)
     check_cluster(cluster)

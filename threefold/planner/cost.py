@@ -68,6 +68,7 @@ from threefold.planner.kernels import elementwise_bytes, gemm_factor, head_facto
 from threefold.planner.layout import Layout
 from threefold.planner.memory import ACT_BYTES
 from threefold.planner.model import ModelShape
+from threefold.planner.units import from_unit, unit  # noqa: F401  (from_unit: calibrate.py imports it from here)
 
 CATEGORIES = (
     "compute",
@@ -95,33 +96,6 @@ PARAMS = (
 )
 
 Terms = dict  # parameter name -> coefficient
-
-
-def unit(cluster: Cluster, name: str, category: str = "") -> float:
-    """Seconds per unit of coefficient for parameter `name` (see the module docstring), with
-    `category`'s own fitted value where the cluster has one."""
-    from threefold.planner.validation import BAND_OF
-
-    own = cluster.categories.get(BAND_OF.get(category, category), {}) if category else {}
-    value = own.get(name, getattr(cluster, name))
-    if name == "compute_efficiency":
-        return 1.0 / value
-    if name.endswith("_gbps"):
-        return 1.0 / (value * 1e9)
-    if name.endswith("_us"):
-        return value * 1e-6
-    return value
-
-
-def from_unit(name: str, u: float) -> float:
-    """The parameter value whose unit() is `u` (the inverse of unit)."""
-    if name == "compute_efficiency":
-        return 1.0 / u
-    if name.endswith("_gbps"):
-        return 1.0 / (u * 1e9)
-    if name.endswith("_us"):
-        return u * 1e6
-    return u
 
 
 def seconds(terms: Terms, cluster: Cluster, category: str = "") -> float:
@@ -186,161 +160,296 @@ class StepTerms:
         return merge_terms(*self.categories.values())
 
 
+@dataclass(frozen=True)
+class _StepInputs:
+    """What every part of one layout's step reads: the model, the cluster, the layout, and what
+    follows from them once (local tokens, links, the GEMMs' small-shape factors)."""
+
+    shape: ModelShape
+    cluster: Cluster
+    layout: Layout
+    dtype: str
+    microbatches: int
+    act_bytes: int
+    """Bytes of one activation element (and of one working parameter) in the run's dtype."""
+    tokens: int
+    """One micro-batch's tokens on a rank: mbs x seq_len / cp (each attends over the whole
+    sequence as layer_hw_flops counts: the zigzag layout gives every rank 1/cp of the work)."""
+    gradient_replicas: int
+    """dp x cp: the ranks that hold the same dense parameters and reduce their gradients."""
+    full_recompute: int
+    """1 when every layer's forward is rerun in backward, else 0."""
+    layer_gemm_factor: float
+    head_gemm_factor: float
+    elementwise_bytes: float
+    """Memory-bound bytes of one layer pass and micro-batch, at the process's core share."""
+    cp_layer: Terms
+    """One layer's context-parallel attention traffic per micro-batch (planner/cp_cost.py)."""
+    links: dict[str, str]
+    """Per group (tp, cp, ep, dp, pp): "intra" or "inter", the link it runs over."""
+
+    @classmethod
+    def of(cls, shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: int, dtype: str) -> _StepInputs:
+        t, act = layout.tp, ACT_BYTES[dtype]
+        tokens = layout.mbs * (shape.seq_len // layout.cp)
+        replicas = layout.dp * layout.cp
+        moved = elementwise_bytes(shape.cfg, t, act, layout.sp, cluster.device != "cpu") * tokens / cluster.core_share
+        return cls(
+            shape=shape,
+            cluster=cluster,
+            layout=layout,
+            dtype=dtype,
+            microbatches=layout.microbatches(global_batch),
+            act_bytes=act,
+            tokens=tokens,
+            gradient_replicas=replicas,
+            full_recompute=int(layout.recompute == "full"),
+            layer_gemm_factor=gemm_factor(shape.cfg, tokens, t, cluster.gemm_half_dim),
+            head_gemm_factor=head_factor(shape.cfg, tokens, t, cluster.gemm_half_dim),
+            elementwise_bytes=moved,
+            cp_layer=cp_comm_terms(shape, cluster, layout, act, _latency_steps),
+            links=_links(cluster, layout, replicas),
+        )
+
+
+def _links(cluster: Cluster, layout: Layout, replicas: int) -> dict[str, str]:
+    """Each group's link (order tp-cp-ep-dp-pp): inside a node while the ranks up to and
+    including its own degree fit in one (see the module docstring)."""
+    t, per_node, one_node = layout.tp, cluster.devices_per_node, cluster.nodes == 1
+    return {
+        "tp": "intra" if (t <= per_node and per_node % t == 0) or one_node else "inter",
+        "pp": "intra" if one_node else "inter",
+        "dp": "intra" if t * replicas <= per_node or one_node else "inter",
+        "ep": ep_group_link(cluster, t, layout.ep, layout.cp),
+        "cp": cp_link(cluster, t, layout.cp),
+    }
+
+
 def step_terms(
     shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: int, dtype: str = "bf16"
 ) -> StepTerms:
-    # Context parallelism: gradients are reduced over dp x cp replicas and each rank computes
-    # seq/cp tokens, each attending over the whole sequence as layer_hw_flops counts: the
-    # zigzag layout gives every rank 1/cp of the quadratic attention work too.
-    t, p, v, b, d = layout.tp, layout.pp, layout.vpp, layout.mbs, layout.dp * layout.cp
-    s, h = shape.seq_len // layout.cp, shape.hidden
-    m = layout.microbatches(global_batch)
-    act = ACT_BYTES[dtype]
-    kp, kg = act, 4  # working parameters in the run's dtype; gradients reduced in fp32 (the default)
-    ko = 12 if dtype == "bf16" else 8
-    share = cluster.core_share  # of a core, per process (cpu with more processes than cores; else 1)
-    peak = cluster.peak_flops
-    dpn = cluster.devices_per_node
-    split = shape.stage_split(p, v)
-
-    tokens = b * s
-    tp_link = "intra" if (t <= dpn and dpn % t == 0) or cluster.nodes == 1 else "inter"
-    ep_link = ep_group_link(cluster, t, layout.ep, layout.cp)
-    cp_layer = cp_comm_terms(shape, cluster, layout, act, _latency_steps)
-    full = int(layout.recompute == "full")
-    shared = bool(getattr(shape.cfg, "shared_expert", False))
-
-    gemm = gemm_factor(shape.cfg, tokens, t, cluster.gemm_half_dim)
-    head_gemm = head_factor(shape.cfg, tokens, t, cluster.gemm_half_dim)
-    moved = elementwise_bytes(shape.cfg, t, act, layout.sp, cluster.device != "cpu") * tokens / share
-
-    def micro_batch(layers: int, has_head: bool) -> dict[str, Terms]:
-        """One micro-batch on a pipeline rank holding `layers` (all its v chunks)."""
-        head = shape.head_flops * head_gemm if has_head else 0.0
-        base = (layers * shape.layer_hw_flops["none"] * gemm + head) * tokens / t
-        extra = layers * (shape.layer_hw_flops[layout.recompute] - shape.layer_hw_flops["none"]) * gemm * tokens / t
-        mb = {
-            "compute": {"compute_efficiency": base / peak, "elementwise_bw_gbps": layers * moved},
-            # full recompute repeats the forward's element-wise third
-            "recompute": _scaled({"compute_efficiency": extra / peak, "elementwise_bw_gbps": layers * moved / 3}, 1)
-            if full
-            else {"compute_efficiency": extra / peak},
-            "tp_comm": {},
-            "cp_comm": _scaled(cp_layer, layers),
-            "ep_comm": {},
-            "overhead": {},
-        }
-        moe = layers * shape.moe_fraction  # MoE blocks among them (the model's share)
-        if t > 1:
-            x = tokens * h * act
-            ring = (t - 1) / t
-            exposed = 1.0 - cluster.tp_overlap
-            # Collectives per block as (all-reduces, all-gathers or reduce-scatters, latency-only).
-            if layout.sp:  # 4 AG + 4 RS, 2 AG repeated in backward; full recompute repeats 2 + 2
-                dense_block = (0, 10 + 4 * full, 0)
-                attention = (0, 5 + 2 * full, 0)
-                routed = (0, 0, 1 + full)  # tokens arrive split; only the routing counts are gathered
-            else:  # 2 all-reduces forward, 2 backward; full recompute repeats the forward's
-                dense_block = (4 + 2 * full, 0, 0)
-                attention = (2 + full, 0, 0)
-                # each rank routes its slice of the sequence: the output is all-gathered forward, the
-                # input gradient backward; plus the routing counts
-                routed = (0, 2 + full, 1 + full)
-            moe_block = tuple(a + r + (d - a if shared else 0) for a, r, d in zip(attention, routed, dense_block))
-            n_ar, n_ag, n_lat = (((layers - moe) * d + moe * e) for d, e in zip(dense_block, moe_block))
-            if layout.sp:
-                n_ag += 2  # the vocab-parallel embedding (forward) and head (backward)
-            else:
-                n_ar += 2
-            nbytes = n_ar * 2 * ring * x + n_ag * ring * x
-            steps = n_ar * _latency_steps(t, tp_link, 2 * (t - 1)) + (n_ag + n_lat) * _latency_steps(t, tp_link, t - 1)
-            calls = n_ar + n_ag + n_lat
-            _collective(mb["tp_comm"], tp_link, exposed * nbytes, exposed * steps, exposed * calls)
-        if layout.ep > 1 and moe:
-            a2a = ep_all_to_all(shape, cluster, layout, act)
-            # dispatch + combine forward and the same two backward; full recompute repeats the
-            # forward's; one exchange of counts per forward
-            n = 4 + 2 * full
-            _collective(
-                mb["ep_comm"],
-                ep_link,
-                moe * n * a2a["bytes"],
-                moe * (n + 1 + full) * a2a["steps"],
-                moe * (n + 1 + full),
-            )
-        # Host work per layer pass; processes sharing cores (cpu) pay it at their share too.
-        _add(mb["overhead"], "layer_overhead_us", layers * (4 / 3 if full else 1.0) / share)
-        return mb
-
-    # The slowest pipeline rank sets the pace; the last one also runs the head. Ranks other
-    # than the last hold what rank 0 holds (at most), so the lightest is rank 0 or the last.
-    c, head_fwd = shape.layer_fwd_flops, shape.head_flops / 3
-    if p == 1:
-        rank, mb = "last", micro_batch(shape.layers, True)
-        light = mb
-    else:
-        first, last = micro_batch(split.first_layers, False), micro_batch(split.last_layers, True)
-        if split.last_layers * c + head_fwd >= split.first_layers * c:
-            rank, mb, light = "last", last, first
-        else:
-            rank, mb, light = "first", first, last
-
-    cats: dict[str, Terms] = {name: _scaled(terms, m) for name, terms in mb.items()}
-    ratio = bubble_ratio(layout.schedule, p, m, v)
-    if p > 1 and share < 1.0:
-        _oversubscribed_pipeline(cats, mb, micro_batch(shape.layers, True), m, p, ratio, share)
-    else:
-        cats["bubble"] = _scaled(merge_terms(*mb.values()), m * ratio)
-
-    cats["pp_comm"] = {}
-    pp_link = "intra" if cluster.nodes == 1 else "inter"
-    if p > 1:
-        # The slowest rank's own transfers: an end rank sends and receives once per micro-batch
-        # and chunk boundary it owns, a middle rank (p >= 3 has one on the critical path) both ways.
-        n = 4 * m * v if p >= 3 else 2 * m * (2 * v - 1)
-        x = tokens * h * act / (t if layout.sp else 1)
-        # Sends and receives are posted ahead and wait for no group: no rendezvous to pay.
-        _collective(cats["pp_comm"], pp_link, n * x, n, 0)
-
-    # Data parallel: the rank holding the most parameters. Dense gradients over dp, experts'
-    # over expert_dp (tp * dp / ep ranks), which spans the same consecutive ranks as dp.
-    if p == 1:
-        held = [
-            shape.state_numel(shape.layers, shape.embed_params + (0 if shape.tied else shape.head_params), t, layout.ep)
-        ]
-    else:
-        held = [
-            shape.state_numel(split.first_layers, shape.embed_params, t, layout.ep),
-            shape.state_numel(split.last_layers, shape.head_params, t, layout.ep),
-        ]
-    dense, expert = max(held, key=sum)
-    edp = t * d // layout.ep
-    cats["dp_comm"] = {}
-    dp_link = "intra" if t * d <= dpn or cluster.nodes == 1 else "inter"
-    exposed = 1.0 - cluster.dp_overlap
-    for numel, n in ((dense, d), (expert, edp)):
-        if n > 1 and numel:
-            nbytes, steps, calls = _gradient_sync(numel, n, layout.zero, m, dp_link, kp, kg)
-            _collective(cats["dp_comm"], dp_link, exposed * nbytes, exposed * steps, exposed * calls)
-
-    if p > 1 and rank == "last" and cats["dp_comm"]:
-        # 1F1B: the last stage's final backward ends p - 1 backward passes before the first
-        # stage's, and its reduction runs in that window; only what outlasts it is exposed
-        # (evaluated at the cluster's values, which keeps the terms linear around them).
-        window = (p - 1) * seconds(mb["compute"], cluster, "compute") * 2 / 3
-        comm = seconds(cats["dp_comm"], cluster, "dp_comm")
-        cats["dp_comm"] = _scaled(cats["dp_comm"], max(0.0, comm - window) / comm) if comm > 0 else {}
-    opt_numel = (dense / d + expert / edp) if layout.zero >= 1 else dense + expert
-    cats["optimizer"] = {"mem_bw_gbps": opt_numel * (2 * ko + kp + kg) / share}
-    cats["overhead"] = merge_terms(cats["overhead"], {"step_overhead_s": 1.0})
+    """The layout's step on its slowest pipeline rank, per category (the module docstring)."""
+    step = _StepInputs.of(shape, cluster, layout, global_batch, dtype)
+    m = step.microbatches
+    rank, slowest, lightest = _slowest_and_lightest_rank(step)
+    categories: dict[str, Terms] = {name: _scaled(terms, m) for name, terms in slowest.items()}
+    _add_bubble(step, categories, slowest)
+    categories["pp_comm"] = _pp_comm_terms(step)
+    dense, expert = _most_state_held(step)
+    categories["dp_comm"] = _dp_comm_terms(step, dense, expert, rank, slowest["compute"])
+    categories["optimizer"] = _optimizer_terms(step, dense, expert)
+    categories["overhead"] = merge_terms(categories["overhead"], {"step_overhead_s": 1.0})
     # The idlest rank waits for the bubble, the transfers and for the slowest rank's extra work.
-    imbalance = merge_terms(_scaled(merge_terms(*mb.values()), m), _scaled(merge_terms(*light.values()), -m))
-    extra = {"pp_idle": merge_terms(cats["bubble"], cats["pp_comm"], imbalance) if p > 1 else {}}
-    slow_layers = shape.layers if p == 1 else (split.last_layers if rank == "last" else split.first_layers)
-    hw_flops = slow_layers * shape.layer_hw_flops[layout.recompute] + (shape.head_flops if rank == "last" else 0)
-    hw_flops *= tokens / t * m
-    links = {"tp": tp_link, "pp": pp_link, "dp": dp_link, "ep": ep_link, "cp": cp_link(cluster, t, layout.cp)}
-    return StepTerms(cats, rank, hw_flops, links, extra)
+    imbalance = merge_terms(_scaled(merge_terms(*slowest.values()), m), _scaled(merge_terms(*lightest.values()), -m))
+    pp_idle = merge_terms(categories["bubble"], categories["pp_comm"], imbalance) if layout.pp > 1 else {}
+    return StepTerms(categories, rank, _hardware_flops(step, rank), dict(step.links), {"pp_idle": pp_idle})
+
+
+def _slowest_and_lightest_rank(step: _StepInputs) -> tuple[str, dict[str, Terms], dict[str, Terms]]:
+    """("first" or "last", the slowest pipeline rank's micro-batch terms, the lightest rank's).
+    The last rank also runs the head; ranks other than the last hold what rank 0 holds (at
+    most), so the slowest and the lightest are rank 0 and the last."""
+    shape, layout = step.shape, step.layout
+    if layout.pp == 1:
+        whole = _micro_batch_terms(step, shape.layers, True)
+        return "last", whole, whole
+    split = shape.stage_split(layout.pp, layout.vpp)
+    first = _micro_batch_terms(step, split.first_layers, False)
+    last = _micro_batch_terms(step, split.last_layers, True)
+    layer_fwd, head_fwd = shape.layer_fwd_flops, shape.head_flops / 3
+    if split.last_layers * layer_fwd + head_fwd >= split.first_layers * layer_fwd:
+        return "last", last, first
+    return "first", first, last
+
+
+def _micro_batch_terms(step: _StepInputs, layers: int, has_head: bool) -> dict[str, Terms]:
+    """One micro-batch on a pipeline rank holding `layers` (all its v chunks), per category."""
+    compute, recompute = _compute_terms(step, layers, has_head)
+    moe_layers = layers * step.shape.moe_fraction  # MoE blocks among them (the model's share)
+    # Host work per layer pass; processes sharing cores (cpu) pay it at their share too.
+    passes = layers * (4 / 3 if step.full_recompute else 1.0) / step.cluster.core_share
+    overhead: Terms = {}
+    _add(overhead, "layer_overhead_us", passes)
+    return {
+        "compute": compute,
+        "recompute": recompute,
+        "tp_comm": _tp_comm_terms(step, layers, moe_layers),
+        "cp_comm": _scaled(step.cp_layer, layers),
+        "ep_comm": _ep_comm_terms(step, moe_layers),
+        "overhead": overhead,
+    }
+
+
+def _compute_terms(step: _StepInputs, layers: int, has_head: bool) -> tuple[Terms, Terms]:
+    """(compute, recompute) of one micro-batch: FLOPs at peak, each GEMM at its small-shape
+    factor, plus the element-wise bytes; full recompute repeats the forward's element-wise third."""
+    shape, layout, peak = step.shape, step.layout, step.cluster.peak_flops
+    head = shape.head_flops * step.head_gemm_factor if has_head else 0.0
+    base_flops = (layers * shape.layer_hw_flops["none"] * step.layer_gemm_factor + head) * step.tokens / layout.tp
+    rerun_per_layer = shape.layer_hw_flops[layout.recompute] - shape.layer_hw_flops["none"]
+    rerun_flops = layers * rerun_per_layer * step.layer_gemm_factor * step.tokens / layout.tp
+    compute = {"compute_efficiency": base_flops / peak, "elementwise_bw_gbps": layers * step.elementwise_bytes}
+    if not step.full_recompute:
+        return compute, {"compute_efficiency": rerun_flops / peak}
+    rerun = {"compute_efficiency": rerun_flops / peak, "elementwise_bw_gbps": layers * step.elementwise_bytes / 3}
+    return compute, _scaled(rerun, 1)  # without the zero entries
+
+
+def _tp_comm_terms(step: _StepInputs, layers: int, moe_layers: float) -> Terms:
+    """TP/SP collectives of one micro-batch over `layers` layers (`moe_layers` of them MoE
+    blocks): ring volumes and latency steps plus a fixed cost per call, (1 - tp_overlap) exposed."""
+    layout, tp = step.layout, step.layout.tp
+    terms: Terms = {}
+    if tp == 1:
+        return terms
+    full = step.full_recompute
+    shared = bool(getattr(step.shape.cfg, "shared_expert", False))
+    # Collectives per block as (all-reduces, all-gathers or reduce-scatters, latency-only).
+    if layout.sp:  # 4 AG + 4 RS, 2 AG repeated in backward; full recompute repeats 2 + 2
+        dense_block = (0, 10 + 4 * full, 0)
+        attention = (0, 5 + 2 * full, 0)
+        routed = (0, 0, 1 + full)  # tokens arrive split; only the routing counts are gathered
+    else:  # 2 all-reduces forward, 2 backward; full recompute repeats the forward's
+        dense_block = (4 + 2 * full, 0, 0)
+        attention = (2 + full, 0, 0)
+        # each rank routes its slice of the sequence: the output is all-gathered forward, the
+        # input gradient backward; plus the routing counts
+        routed = (0, 2 + full, 1 + full)
+    moe_block = tuple(a + r + (d - a if shared else 0) for a, r, d in zip(attention, routed, dense_block))
+    all_reduces, gathers, latency_only = (
+        (layers - moe_layers) * d + moe_layers * e for d, e in zip(dense_block, moe_block)
+    )
+    if layout.sp:
+        gathers += 2  # the vocab-parallel embedding (forward) and head (backward)
+    else:
+        all_reduces += 2
+    activation = step.tokens * step.shape.hidden * step.act_bytes
+    ring = (tp - 1) / tp
+    link = step.links["tp"]
+    nbytes = all_reduces * 2 * ring * activation + gathers * ring * activation
+    steps = all_reduces * _latency_steps(tp, link, 2 * (tp - 1)) + (gathers + latency_only) * _latency_steps(
+        tp, link, tp - 1
+    )
+    calls = all_reduces + gathers + latency_only
+    exposed = 1.0 - step.cluster.tp_overlap
+    _collective(terms, link, exposed * nbytes, exposed * steps, exposed * calls)
+    return terms
+
+
+def _ep_comm_terms(step: _StepInputs, moe_layers: float) -> Terms:
+    """Expert-parallel all-to-alls of one micro-batch: dispatch + combine forward and the same
+    two backward (full recompute repeats the forward's), plus one exchange of counts per forward."""
+    terms: Terms = {}
+    if step.layout.ep == 1 or not moe_layers:
+        return terms
+    a2a = ep_all_to_all(step.shape, step.cluster, step.layout, step.act_bytes)
+    full = step.full_recompute
+    all_to_alls = 4 + 2 * full
+    exchanges = all_to_alls + 1 + full
+    _collective(
+        terms,
+        step.links["ep"],
+        moe_layers * all_to_alls * a2a["bytes"],
+        moe_layers * exchanges * a2a["steps"],
+        moe_layers * exchanges,
+    )
+    return terms
+
+
+def _add_bubble(step: _StepInputs, categories: dict[str, Terms], slowest: dict[str, Terms]) -> None:
+    """categories["bubble"]: the slowest rank's micro-batch work times m B/(1-B); processes that
+    share too few cores (cpu) rescale the work categories too (_oversubscribed_pipeline)."""
+    layout, m, share = step.layout, step.microbatches, step.cluster.core_share
+    ratio = bubble_ratio(layout.schedule, layout.pp, m, layout.vpp)
+    if layout.pp > 1 and share < 1.0:
+        whole_model = _micro_batch_terms(step, step.shape.layers, True)
+        _oversubscribed_pipeline(categories, slowest, whole_model, m, layout.pp, ratio, share)
+    else:
+        categories["bubble"] = _scaled(merge_terms(*slowest.values()), m * ratio)
+
+
+def _pp_comm_terms(step: _StepInputs) -> Terms:
+    """The slowest rank's own point-to-point transfers: an end rank sends and receives once per
+    micro-batch and chunk boundary it owns, a middle rank (p >= 3 has one on the critical path)
+    both ways; sbh each (sbh / tp under SP)."""
+    layout, m, v = step.layout, step.microbatches, step.layout.vpp
+    terms: Terms = {}
+    if layout.pp == 1:
+        return terms
+    transfers = 4 * m * v if layout.pp >= 3 else 2 * m * (2 * v - 1)
+    activation = step.tokens * step.shape.hidden * step.act_bytes / (layout.tp if layout.sp else 1)
+    # Sends and receives are posted ahead and wait for no group: no rendezvous to pay.
+    _collective(terms, step.links["pp"], transfers * activation, transfers, 0)
+    return terms
+
+
+def _most_state_held(step: _StepInputs) -> tuple[float, float]:
+    """(dense, expert) parameters of the pipeline rank holding the most: dense over tp, experts
+    whole on each TP rank and split over ep (ModelShape.state_numel)."""
+    shape, layout = step.shape, step.layout
+    tp, ep = layout.tp, layout.ep
+    if layout.pp == 1:
+        outside = shape.embed_params + (0 if shape.tied else shape.head_params)
+        return shape.state_numel(shape.layers, outside, tp, ep)
+    split = shape.stage_split(layout.pp, layout.vpp)
+    held = [
+        shape.state_numel(split.first_layers, shape.embed_params, tp, ep),
+        shape.state_numel(split.last_layers, shape.head_params, tp, ep),
+    ]
+    return max(held, key=sum)
+
+
+def _expert_replicas(step: _StepInputs) -> int:
+    """expert_dp: the ranks over which an expert's gradients are reduced, tp x dp x cp / ep
+    (they span the same consecutive ranks as dp)."""
+    return step.layout.tp * step.gradient_replicas // step.layout.ep
+
+
+def _dp_comm_terms(step: _StepInputs, dense: float, expert: float, rank: str, slowest_compute: Terms) -> Terms:
+    """Gradient synchronisation of the rank holding the most: dense gradients over dp x cp,
+    experts' over expert_dp, (1 - dp_overlap) exposed; on the last stage only what outlasts the
+    backward passes the earlier stages still run."""
+    layout, cluster = step.layout, step.cluster
+    kp, kg = step.act_bytes, 4  # working parameters in the run's dtype; gradients reduced in fp32 (the default)
+    link, exposed = step.links["dp"], 1.0 - cluster.dp_overlap
+    terms: Terms = {}
+    for numel, replicas in ((dense, step.gradient_replicas), (expert, _expert_replicas(step))):
+        if replicas > 1 and numel:
+            nbytes, steps, calls = _gradient_sync(numel, replicas, layout.zero, step.microbatches, link, kp, kg)
+            _collective(terms, link, exposed * nbytes, exposed * steps, exposed * calls)
+    if layout.pp == 1 or rank != "last" or not terms:
+        return terms
+    # 1F1B: the last stage's final backward ends p - 1 backward passes before the first stage's,
+    # and its reduction runs in that window; only what outlasts it is exposed (evaluated at the
+    # cluster's values, which keeps the terms linear around them).
+    window = (layout.pp - 1) * seconds(slowest_compute, cluster, "compute") * 2 / 3
+    comm = seconds(terms, cluster, "dp_comm")
+    return _scaled(terms, max(0.0, comm - window) / comm) if comm > 0 else {}
+
+
+def _optimizer_terms(step: _StepInputs, dense: float, expert: float) -> Terms:
+    """AdamW reads and writes its state once: P_opt (2 K_opt + K_param + K_grad) bytes at the
+    memory bandwidth (the core's share of it, cpu); ZeRO >= 1 keeps 1/replicas of the state."""
+    layout = step.layout
+    state_bytes = 12 if step.dtype == "bf16" else 8  # K_opt: fp32 moments (and the fp32 master under bf16)
+    kp, kg = step.act_bytes, 4
+    if layout.zero >= 1:
+        numel = dense / step.gradient_replicas + expert / _expert_replicas(step)
+    else:
+        numel = dense + expert
+    return {"mem_bw_gbps": numel * (2 * state_bytes + kp + kg) / step.cluster.core_share}
+
+
+def _hardware_flops(step: _StepInputs, rank: str) -> float:
+    """FLOPs the slowest rank's device runs in the step, recomputation included."""
+    shape, layout = step.shape, step.layout
+    if layout.pp == 1:
+        layers = shape.layers
+    else:
+        split = shape.stage_split(layout.pp, layout.vpp)
+        layers = split.last_layers if rank == "last" else split.first_layers
+    flops = layers * shape.layer_hw_flops[layout.recompute] + (shape.head_flops if rank == "last" else 0)
+    return flops * (step.tokens / layout.tp * step.microbatches)
 
 
 WORK = ("compute", "recompute", "overhead")

@@ -25,7 +25,7 @@ neighbouring ranks: the intra-node link while that fits a node, else the inter-n
 
 from __future__ import annotations
 
-from threefold.observe.flops import attention_flops_per_token_per_layer
+from threefold.model.flops import attention_flops_per_token_per_layer
 
 Terms = dict
 

@@ -11,7 +11,7 @@ tp * cp * dp / ep ranks holding the same experts; the dense part keeps N = dp * 
 parallel ranks hold the same weights; N = dp without cp). Activations under cp: seq/cp tokens.
 
 Activations per layer and micro-batch are Korthikanti et al. 2022, Table 2
-(`observe/activations.py`, `korthikanti_layer_bytes`): sbh(34 + 5as/h) without parallelism;
+(`model/activations.py`, `korthikanti_layer_bytes`): sbh(34 + 5as/h) without parallelism;
 TP sbh(10 + 24/t + 5as/(ht)); TP+SP sbh/t (34 + 5as/h); selective recompute sbh(10 + 24/t),
 with SP 34sbh/t; full recompute 2sbh. They assume 16-bit activations; fp32 doubles them.
 An MoE block swaps the paper's MLP share (19sbh; TP 3sbh + 16sbh/t; SP 19sbh/t) for its routed
@@ -60,7 +60,7 @@ def model_state_bytes(numel: float, dp: int, zero: int, dtype: str = "bf16") -> 
 
 @cache
 def _korthikanti(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute: str) -> float:
-    from threefold.observe.activations import korthikanti_layer_bytes
+    from threefold.model.activations import korthikanti_layer_bytes
 
     return korthikanti_layer_bytes(s, b, h, a, t, sp, recompute)
 

@@ -1,6 +1,6 @@
 """What the planner needs to know about a model, computed once from its config.
 
-Parameter counts and FLOPs come from `threefold.observe.flops` (the functions the training
+Parameter counts and FLOPs come from `threefold.model.flops` (the functions the training
 metrics use), split into one transformer layer and the embedding/head part by evaluating them
 at `layers=0`. Stages are cut the way `distributed/pipeline/partition.py` cuts them: layers
 balanced by cost, the vocabulary head counted on the last stage.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from threefold.config import ModelConfig
-from threefold.observe.flops import hardware_flops_per_token, moe_layers, total_params, train_flops_per_token
+from threefold.model.flops import hardware_flops_per_token, moe_layers, total_params, train_flops_per_token
 
 RECOMPUTE = ("none", "selective", "full")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from threefold.config import ModelConfig
-from threefold.observe.flops import active_params
+from threefold.model.flops import active_params
 from threefold.planner.cluster import Cluster, GiB
 from threefold.planner.faults import FaultAdvice
 from threefold.planner.model import ModelShape

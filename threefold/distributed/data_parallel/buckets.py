@@ -36,7 +36,7 @@ import torch
 from threefold.distributed import comm
 from threefold.distributed.comm import Group
 from threefold.distributed.data_parallel.layout import BucketLayout
-from threefold.observe.timer import DeviceTimer
+from threefold.distributed.timer import DeviceTimer
 
 
 class Bucket:
@@ -251,7 +251,7 @@ class GradBuckets:
     def exposed(self) -> DeviceTimer:
         """The last finish()'s timer of dp gradient communication left after backward, unread:
         each finish() starts a new one, so a step may carry it to its host read (on CUDA reading
-        it waits for the device, see observe/timer.py)."""
+        it waits for the device, see distributed/timer.py)."""
         return self._exposed
 
     def zero_grad(self) -> None:

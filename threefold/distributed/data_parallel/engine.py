@@ -30,9 +30,9 @@ from threefold.distributed.data_parallel.layout import Segment, build_layout
 from threefold.distributed.data_parallel.params import FlatParams, ShardedParams, storage_device
 from threefold.distributed.data_parallel.precision import LossScaler, MixedPrecision
 from threefold.distributed.data_parallel.zero import ZeroAdamW
+from threefold.distributed.timer import DeviceTimer
 from threefold.errors import ConfigError
 from threefold.model.sharding import sharding_of
-from threefold.observe.timer import DeviceTimer
 
 MiB = 1 << 20
 

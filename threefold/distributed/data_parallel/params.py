@@ -24,8 +24,8 @@ from torch import nn
 from threefold.distributed import comm
 from threefold.distributed.comm import Group
 from threefold.distributed.data_parallel.layout import BucketLayout
+from threefold.distributed.timer import DeviceTimer
 from threefold.model.meta import adopt, deferred, initial_value
-from threefold.observe.timer import DeviceTimer
 
 READY = "ready"  # unit state: None = freed, READY = gathered, otherwise an in-flight Work
 
@@ -152,7 +152,7 @@ class ShardedParams:
 
     def take_gather_wait(self) -> DeviceTimer:
         """The time blocked on parameter all-gathers since the last take, unread: a step carries
-        it to its host read (on CUDA reading it waits for the device, see observe/timer.py)."""
+        it to its host read (on CUDA reading it waits for the device, see distributed/timer.py)."""
         return self.gather_wait.take()
 
     def free(self, b: int) -> None:

@@ -32,7 +32,7 @@ from threefold.distributed.comm import Group
 from threefold.distributed.pipeline.p2p import WireFormat
 from threefold.distributed.pipeline.schedules import Action, group_batches
 from threefold.distributed.pipeline.weight_grad import WeightGradStore
-from threefold.observe.timer import DeviceTimer
+from threefold.distributed.timer import DeviceTimer
 
 _SPAN_OF = {"F": "forward", "B": "backward", "W": "weight_grad"}
 _UNTIMED = contextlib.nullcontext()

@@ -15,7 +15,7 @@ from threefold.errors import ConfigError
 
 def stage_costs(cfg: ModelConfig) -> tuple[float, float, float]:
     """(per-layer, first-stage extra, last-stage extra) forward FLOPs per token."""
-    from threefold.observe.flops import attention_flops_per_token_per_layer, matmul_weights_per_layer
+    from threefold.model.flops import attention_flops_per_token_per_layer, matmul_weights_per_layer
 
     layer = 2.0 * matmul_weights_per_layer(cfg) + attention_flops_per_token_per_layer(cfg)
     head = 2.0 * cfg.hidden * cfg.vocab

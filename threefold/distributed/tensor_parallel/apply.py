@@ -15,16 +15,17 @@ residual adds) runs on seq/tp rows, so those activations shrink by tp too (Korth
 
 `TP_PLAN` says what each module of the plain model becomes, by name pattern ('*' is one name:
 a layer index); `apply_plan` interprets any such table, so a model of another shape brings its
-own. Parameter names stay those of the plain model, so initialization and checkpoints do not
-depend on the layout. GQA: with kv_heads >= tp the kv heads are split like the query heads;
-with kv_heads < tp every rank keeps wk/wv whole and uses the kv head serving its query heads.
+own (a user model's plan of strings, model/custom.py, becomes rows of `USER_STYLES`, run by
+distributed/parallelize.py). Parameter names stay those of the plain model, so initialization
+and checkpoints do not depend on the layout. GQA: with kv_heads >= tp the kv heads are split
+like the query heads; with kv_heads < tp every rank keeps wk/wv whole and uses the kv head
+serving its query heads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from functools import partial
 
 from torch import nn
@@ -43,6 +44,7 @@ from threefold.distributed.tensor_parallel.mappings import (
     scatter_to_sequence_region,
 )
 from threefold.distributed.tensor_parallel.region import enter
+from threefold.model.custom import first_match
 from threefold.model.moe import MoE
 
 
@@ -84,9 +86,12 @@ def entry(module: nn.Module, ctx: PlanContext) -> None:
     module.register_forward_pre_hook(EnterRegion(ctx.tp, ctx.sp, ctx.overlap))
 
 
-def column(linear: nn.Linear, ctx: PlanContext) -> ColumnParallelLinear:
+def column(linear: nn.Linear, ctx: PlanContext, enter: bool = False) -> ColumnParallelLinear:
+    """`enter`: the layer's input enters the region itself (one collective per layer), where no
+    parent's `entry` does it once for the sibling projections."""
+    bias = linear.bias is not None
     return ColumnParallelLinear(
-        linear.in_features, linear.out_features, ctx.tp, bias=linear.bias is not None, sp=ctx.sp, enter=False
+        linear.in_features, linear.out_features, ctx.tp, bias=bias, sp=ctx.sp, enter=enter, overlap=ctx.overlap
     )
 
 
@@ -150,8 +155,10 @@ def vocab_embedding(old: nn.Embedding, ctx: PlanContext) -> VocabParallelEmbeddi
 def vocab_head(old: nn.Linear, ctx: PlanContext) -> ColumnParallelLinear:
     """The logits stay split over the vocabulary: the loss never gathers them. A tied head shares
     the (already parallel) embedding's weight."""
-    model = ctx.model
-    head = ColumnParallelLinear(old.in_features, old.out_features, ctx.tp, sp=ctx.sp, enter=True, overlap=ctx.overlap)
+    model, bias = ctx.model, old.bias is not None
+    head = ColumnParallelLinear(
+        old.in_features, old.out_features, ctx.tp, bias=bias, sp=ctx.sp, enter=True, overlap=ctx.overlap
+    )
     if ctx.tied and model.tok_embed is not None:
         head.weight = model.tok_embed.weight
     model.loss_fn = partial(vocab_parallel_cross_entropy, group=ctx.tp)
@@ -180,16 +187,34 @@ TP_PLAN: tuple[tuple[str, Style], ...] = (
 )
 
 
-def _matches(pattern: str, name: str) -> bool:
-    parts, names = pattern.split("."), name.split(".")
-    return len(parts) == len(names) and all(fnmatchcase(n, p) for p, n in zip(parts, names))
+def vocab(module: nn.Module, ctx: PlanContext) -> nn.Module:
+    """A user plan's "vocab": an embedding split over the vocabulary, its partial rows
+    all-reduced (the user model splits the sequence after its whole embed stage, which may add
+    more to them: distributed/parallelize.py), or the head's linear (vocab_head)."""
+    if isinstance(module, nn.Embedding):
+        return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, ctx.tp)
+    return vocab_head(module, ctx)
+
+
+def replicated(module: nn.Module, ctx: PlanContext) -> None:
+    """Kept whole on every rank (a row that stops later patterns from matching the module)."""
+
+
+# A user plan's style names (model/custom.py PLAN_STYLES) -> the styles its rows run. A user's
+# column layer has no parent that enters the region for it, so it enters itself.
+USER_STYLES: dict[str, Style] = {
+    "column": partial(column, enter=True),
+    "row": row,
+    "vocab": vocab,
+    "replicated": replicated,
+}
 
 
 def apply_plan(model: nn.Module, plan, ctx: PlanContext) -> nn.Module:
     """Run each module's style from `plan` ((name pattern, style) rows; the first match wins),
     putting a returned replacement in the module's place."""
     for name, module in list(model.named_modules()):
-        style = next((s for pattern, s in plan if _matches(pattern, name)), None)
+        style = first_match(plan, name)
         if style is None:
             continue
         new = style(module, ctx)

@@ -56,7 +56,7 @@ def host_description(cfg: Config) -> dict:
 def key_parts(cfg: Config, world: int, steps: int) -> dict:
     import torch
 
-    import threefold
+    from threefold.version import __version__
 
     model = cfg.to_dict()["model"]
     t = cfg.train
@@ -74,7 +74,7 @@ def key_parts(cfg: Config, world: int, steps: int) -> dict:
         },
         "cluster": host_description(cfg),
         "versions": {
-            "threefold": getattr(threefold, "__version__", "unknown"),
+            "threefold": __version__,
             "torch": torch.__version__,
             "python": platform.python_version(),
         },

@@ -70,8 +70,8 @@ def sensitivity(result: TuneResult) -> list[dict]:
 
 def write_outputs(result: TuneResult, cfg: Config, out: Path) -> dict:
     """Write best.toml, bands.toml, tune.json and report.html; returns the summary."""
+    from threefold.analysis.rundir import load_run
     from threefold.observe.bands import bands_from_run, write_bands
-    from threefold.observe.rundir import load_run
     from threefold.planner.emit import write_config
 
     summary = {
@@ -144,7 +144,7 @@ def format_summary(summary: dict) -> str:
 
 
 def _report_page(result: TuneResult, summary: dict, out: Path) -> None:
-    from threefold.observe import plots
+    from threefold.analysis import plots
 
     images = []
     if plots.have_matplotlib():

@@ -1,0 +1,302 @@
+"""bench/gpu.py on CPU: its rows, table and model choice, and that a run returns what it measured
+whatever fails (a forced failure, a kill between phases, a budget that skips phases)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = str(ROOT / "bench" / "gpu.py")
+sys.path[:0] = [str(ROOT / "bench")]
+
+import gpu  # noqa: E402
+import gpu_checks  # noqa: E402
+import gpu_perf  # noqa: E402
+
+CPU_KEYS = {
+    *(f"attention_{b}_{d}" for b in ("flash", "efficient", "math") for d in ("bf16", "fp32")),
+    "attention_flash_bf16_hd128",
+    "attention_efficient_bf16_hd128",
+    "fused_attention",
+    "adamw",
+    "adamw_fused",
+    "train_fp32",
+    "train_bf16",
+    "recompute_selective",
+    "recompute_full",
+    "train_compile",
+    "perf_threefold",
+    "perf_memory",
+    "perf_plain",
+}
+PHASES = ["attention", "optimizer", "training", "compile", "threefold", "memory", "plain"]
+
+
+def bench_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", gpu_checks.FAIL_ENV: ""}
+
+
+def run_bench(out: Path, capsys, monkeypatch, *args: str, fail: str = "") -> tuple[int, str]:
+    """`python bench/gpu.py --device cpu --tiny --json out *args` in this process (torch and dynamo
+    are imported once for every test): its exit status and what it printed."""
+    monkeypatch.setenv(gpu_checks.FAIL_ENV, fail)
+    rc = gpu.main(["--device", "cpu", "--tiny", "--json", str(out), *args])
+    return rc, capsys.readouterr().out
+
+
+def test_forced_failure_is_one_row_and_every_other_row_is_written(tmp_path, capsys, monkeypatch):
+    # The compiled and performance checks are forced too: each is the slow part of its phase on CPU.
+    out = tmp_path / "out.json"
+    rc, printed = run_bench(out, capsys, monkeypatch, fail="adamw,train_compile,perf_threefold,perf_plain")
+    assert rc == 1
+    doc = json.loads(out.read_text())
+    rows = {r["key"]: r for r in doc["checks"]}
+    assert set(rows) == CPU_KEYS and len(doc["checks"]) == len(CPU_KEYS)
+    note = "AssertionError: forced failure of adamw (THREEFOLD_GPU_BENCH_FAIL, test-only)"
+    assert rows["adamw"]["ok"] is False and rows["adamw"]["note"] == note  # the first line only
+    forced = {"adamw", "train_compile", "perf_threefold", "perf_plain"}
+    assert {k for k, r in rows.items() if not r["ok"]} == forced
+    for key in CPU_KEYS - forced:  # the rest measured, in the same phase and the phases after
+        assert rows[key]["value"] is not None or rows[key]["note"] == "not served", rows[key]
+    assert rows["adamw_fused"]["phase"] == "optimizer" and rows["adamw_fused"]["value"] < 1e-6
+    assert doc["performance"]["memory"]["train_peak_bytes"] is None  # threefold's run failed; memory ran
+    assert [p["name"] for p in doc["phases"]] == PHASES
+    assert [p["status"] for p in doc["phases"]] == ["ok", "fail", "ok", "fail", "fail", "ok", "fail"]
+    assert all(p["wall_s"] >= 0 for p in doc["phases"]) and doc["finished"] and not doc["all_ok"]
+    assert f"| adamw foreach (engine arithmetic) | {note} | 2.4e-06 | FAIL |" in printed
+
+
+def test_json_survives_a_kill_between_phases(tmp_path):
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, GPU, "--device", "cpu", "--tiny", "--json", str(out)]
+    proc = subprocess.Popen(cmd, env=bench_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, done = time.monotonic() + 90, []
+        while not done and time.monotonic() < deadline:
+            if out.exists():  # written by rename: never half a file
+                done = [p for p in json.loads(out.read_text())["phases"] if p.get("status") in ("ok", "fail")]
+            time.sleep(0.05)
+        assert done, "no phase finished within 90 s"
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    doc = json.loads(out.read_text())
+    assert not doc["finished"]
+    first = doc["phases"][0]
+    assert first["name"] == "attention" and first["status"] == "ok" and first["wall_s"] > 0
+    attention = [r for r in doc["checks"] if r["phase"] == "attention"]
+    assert len(attention) == 9 and all(r["ok"] for r in attention)
+    assert {p["status"] for p in doc["phases"][1:]} <= {"ok", "fail", "running"}
+
+
+def test_budget_skips_what_would_not_finish_and_says_so(tmp_path, capsys, monkeypatch):
+    # Every phase's H200 estimate but the optimizer's (5 s) exceeds an 8 s budget.
+    out = tmp_path / "out.json"
+    rc, printed = run_bench(out, capsys, monkeypatch, "--budget-s", "8")
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    status = {p["name"]: p["status"] for p in doc["phases"]}
+    assert status == {**{name: "skip" for name in PHASES}, "optimizer": "ok"}
+    skips = [r for r in doc["checks"] if r.get("skipped")]
+    assert [r["key"] for r in skips] == [name for name in PHASES if name != "optimizer"]
+    assert re.fullmatch(r"skipped: expected ~10 s on an H200, [78] s of --budget-s 8 left", skips[0]["note"])
+    assert skips[1]["note"].startswith("skipped: expected ~25 s on an H200, ")
+    assert [r["key"] for r in doc["checks"] if not r.get("skipped")] == ["adamw", "adamw_fused"]
+    assert doc["budget_s"] == 8 and doc["finished"] and doc["all_ok"]
+    assert "| attention phase | skipped: expected ~10 s on an H200" in printed
+    assert "skipped phases: attention, training, compile, threefold, memory, plain" in printed
+
+
+def test_phases_are_isolated_and_the_budget_counts_time_spent(tmp_path):
+    now = [0.0]
+
+    def failing(emit):
+        now[0] += 30
+        raise AssertionError("the first line\nnot this one")
+
+    def passing(emit):
+        now[0] += 1
+        emit(gpu_checks.check("x", 0.0, 1.0, "x"))
+
+    bench = gpu.Bench(tmp_path / "b.json", {"device": "test"}, 50.0, clock=lambda: now[0])
+    bench.run([gpu.Phase("a", 40, failing), gpu.Phase("b", 25, passing), gpu.Phase("c", 10, passing)])
+    doc = json.loads((tmp_path / "b.json").read_text())
+    assert [(p["name"], p["status"]) for p in doc["phases"]] == [("a", "fail"), ("b", "skip"), ("c", "ok")]
+    assert doc["phases"][0]["wall_s"] == 30
+    assert [(r["phase"], r["ok"], r.get("note")) for r in doc["checks"]] == [
+        ("a", False, "AssertionError: the first line"),
+        ("b", True, "skipped: expected ~25 s on an H200, 20 s of --budget-s 50 left"),
+        ("c", True, None),
+    ]
+    assert bench.skipped == ["b"] and doc["finished"] and not doc["all_ok"]
+
+
+def test_guarded_rows_take_any_failure_but_a_signal_stop():
+    def raises(err):
+        def measure():
+            raise err
+
+        return measure
+
+    assert gpu_checks.guarded("k", "k", 1.0, raises(AssertionError()))["note"] == "AssertionError: "
+    exited = gpu_checks.guarded("k", "k", 1.0, raises(SystemExit(2)))
+    assert not exited["ok"] and exited["note"] == "SystemExit: the worker exited with code 2"
+    with pytest.raises(SystemExit):
+        gpu_checks.guarded("k", "k", 1.0, raises(SystemExit(143)))
+    assert gpu_checks.guarded("k", "k", None, lambda: 3.0) == {
+        "check": "k",
+        "key": "k",
+        "value": 3.0,
+        "tolerance": None,
+        "ok": True,
+    }
+
+
+def test_failed_cpu_run_restores_threads_and_leaves_its_group(tmp_path, monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    threads, calls = torch.get_num_threads(), []
+    set_threads = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), set_threads(n)))
+    (tmp_path / "empty").mkdir()
+    set_threads(2)
+    try:
+        with pytest.raises((Exception, SystemExit)):  # noqa: B017 - the worker's failure, whichever it is
+            gpu_checks.train_metrics({**gpu_checks.TINY, "data.path": str(tmp_path / "empty")}, "cpu", "fp32", 1, "")
+        assert calls[0] == 1  # the worker joined its group with train.threads = 1, then failed on the data
+        assert torch.get_num_threads() == 2
+        assert not dist.is_initialized()
+    finally:
+        set_threads(threads)
+
+
+def test_bench_configs_never_save():
+    cfg = gpu_checks.make_cfg(gpu_checks.TINY, "cpu", "fp32", 3, "/tmp/logs", "")
+    assert cfg.log.dir == "/tmp/logs" and cfg.checkpoint.dir == ""
+
+
+def test_tolerances_follow_the_arithmetic():
+    assert gpu_checks.ADAMW_TOL == pytest.approx(20 * 2**-23)  # 4 ulps x 5 steps
+    assert gpu_checks.reordered_bound([64, 256]) == pytest.approx(2 * 2**-24 * 24)
+    tiny = gpu_checks.TinyRuns("cpu", "").fp32_bound()
+    assert 1e-4 < tiny < 3e-4  # 3 steps through 4 blocks of width 128, 1,024 tokens
+
+
+def test_gpu_model_choice_by_memory():
+    gib = 2**30
+    assert gpu_perf.pick_model(141 * gib)[0] == "gpt-1.3b"
+    assert gpu_perf.pick_model(80 * gib)[1]["train.micro_batch"] == 4
+    assert gpu_perf.pick_model(40 * gib)[1]["train.micro_batch"] == 1
+    assert gpu_perf.pick_model(24 * gib)[0] == "gpt-350m"
+    assert gpu_perf.pick_model(0, tiny=True)[1]["model.preset"] == "tiny"
+    for mem in (8, 16, 40, 80):  # every choice is a valid configuration
+        gpu_checks.make_cfg(gpu_perf.pick_model(mem * gib)[1], "cpu", "bf16", 2, "", "")
+
+
+def test_gpu_table_marks_failures_skips_and_unserved_backends():
+    checks = [
+        gpu_checks.check("a", 1e-7, 1e-5),
+        gpu_checks.check("b", 1.0, 1e-5),
+        {"check": "attention efficient bfloat16", "value": None, "tolerance": 2e-2, "ok": True, "note": "not served"},
+        {
+            "check": "attention flash bfloat16",
+            "value": None,
+            "tolerance": 2e-2,
+            "ok": False,
+            "note": "RuntimeError: CUDA error: an illegal memory access",
+        },
+        {"check": "plain phase", "value": None, "tolerance": None, "ok": True, "skipped": True, "note": "skipped: x"},
+    ]
+    perf = {
+        "model": "tiny",
+        "tokens_per_step": 1000,
+        "steps": 4,
+        "warmup": 2,
+        "threefold_step_s": 0.5,
+        "plain_step_s": 0.4,
+        "threefold_mfu": 0.4,
+        "plain_mfu": None,
+        "ratio": 1.25,
+    }
+    text = gpu.table(checks, perf)
+    assert "| a | 1.00e-07 | 1.0e-05 | ok |" in text and "| b | 1.00e+00 | 1.0e-05 | FAIL |" in text
+    assert "| attention efficient bfloat16 | not served | 2.0e-02 | - |" in text
+    assert "| attention flash bfloat16 | RuntimeError: CUDA error: an illegal memory access | 2.0e-02 | FAIL |" in text
+    assert "| plain phase | skipped: x | - | SKIP |" in text
+    assert "| threefold | 500.0 | 2,000 | 40.0% |" in text and "| - |" in text
+    assert "Contestants:" in text
+    assert text.rstrip().endswith("1.250")
+    alone = gpu.table(checks[:1], {k: v for k, v in perf.items() if not k.startswith(("plain", "ratio"))})
+    assert "| threefold | 500.0 |" in alone and "plain PyTorch (autocast" not in alone and "1.250" not in alone
+    assert gpu.table(checks[:1], {"model": "gpt-1.3b"}).splitlines()[-1] == "| a | 1.00e-07 | 1.0e-05 | ok |"
+
+
+def test_gpu_only_sdpa_refusals_count_as_not_served():
+    def refuse(message):
+        def measure():
+            raise RuntimeError(message)
+
+        return measure
+
+    cpu = gpu_checks.backend_check("x", 2e-2, refuse("No viable backend for scaled_dot_product_attention was found."))
+    cuda = gpu_checks.backend_check("x", 2e-2, refuse("No available kernel.  Aborting execution."))
+    assert cpu["ok"] and cuda["ok"] and cpu["value"] is None and cpu["note"] == "not served"
+    other = gpu_checks.backend_check("x", 2e-2, refuse("CUDA error: misaligned address\nmore detail"))
+    assert not other["ok"] and other["value"] is None
+    assert other["note"] == "RuntimeError: CUDA error: misaligned address"
+    broken = gpu_checks.backend_check("x", 2e-2, lambda: 1 / 0)
+    assert not broken["ok"] and broken["note"].startswith("ZeroDivisionError")
+    ok, wrong = (gpu_checks.backend_check("x", 2e-2, lambda v=v: v) for v in (1e-3, 0.5))
+    assert ok["ok"] and not wrong["ok"]
+
+
+def test_gpu_fused_attention_requirement():
+    served = gpu_checks.check("attention flash bf16 hd128", 5e-3, 2e-2)
+    refused = {
+        "check": "attention efficient bf16 hd128",
+        "value": None,
+        "tolerance": 2e-2,
+        "ok": True,
+        "note": "not served",
+    }
+    wrong = gpu_checks.check("attention efficient bf16 hd128", 0.3, 2e-2)
+    requirement = gpu_checks.fused_requirement
+    assert requirement([served, refused], "cuda")["ok"]
+    assert requirement([served, refused], "cuda")["note"] == "flash"
+    none = requirement([dict(refused, check="attention flash bf16 hd128"), refused], "cuda")
+    assert not none["ok"] and none["value"] is None and none["note"] == "no fused backend served"
+    assert not requirement([wrong, refused], "cuda")["ok"]  # served, but wrong: fails too
+    on_cpu = requirement([dict(refused, check="attention flash bf16 hd128"), refused], "cpu")
+    assert on_cpu["ok"] and "required on cuda only" in on_cpu["note"]
+
+
+def test_gpu_json_defaults_under_ignored_runs():
+    assert gpu.DEFAULT_JSON == "runs/gpu_bench.json" and "runs/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_gpu_adamw_paths_match_torch_on_cpu():
+    case = gpu_checks.adamw_case("cpu")
+    assert gpu_checks.adamw_foreach_error("cpu", case) == 0.0  # torch's foreach op sequence: bit-identical
+    assert gpu_checks.adamw_fused_error("cpu", case) <= gpu_checks.ADAMW_TOL  # another op order, within bounds
+
+
+def test_gpu_script_without_cuda_exits_with_one_line(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert gpu.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "no CUDA device" in err
+    assert gpu.main(["--device", "cpu"]) == 2 and "needs --tiny" in capsys.readouterr().err

@@ -1,0 +1,116 @@
+"""`threefold report RUN_DIR [RUN_B]`: summarize one run (text, plots, HTML) or compare two."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from threefold.analysis.compare import compare
+from threefold.analysis.rundir import RunDirError, load_run
+from threefold.analysis.summary import summarize
+from threefold.errors import ConfigError
+
+USAGE = """threefold report RUN_DIR [--out DIR] [--no-plots] [--write-bands FILE] [--cluster.KEY V ...]
+       threefold report RUN_A RUN_B
+  one run: text summary and what to change next on stdout; loss.png, timeline.png, breakdown.png
+  and report.html in --out (default RUN_DIR/report) when matplotlib is installed
+  (pip install 'threefold[plots]'). --cluster.profile FILE (a calibrated profile, from
+  threefold plan --calibrate) or other --cluster.* keys tell the planner the machine.
+  --write-bands FILE: the run's step shares per category as bands that threefold train
+  --log.bands FILE checks a later run against.
+  two runs: their breakdowns side by side, the biggest change, whether it is beyond the
+  run-to-run noise, and the config differences."""
+
+
+def prescriptions(run, summary: dict, cluster_pairs: list) -> str:
+    """The prescription text of one run (observe.prescribe), with the planner's predictions."""
+    from threefold.analysis.prescribe import critical_rank, diagnose, format_prescriptions
+    from threefold.planner.predict import RunPredictor
+
+    note = ""
+    try:
+        predictor = RunPredictor(run.info, cluster_pairs)
+    except (ConfigError, ValueError, KeyError, TypeError, ZeroDivisionError) as err:
+        if cluster_pairs:  # the user's --cluster keys: their error is the answer
+            raise
+        # A run the planner cannot model (an old run.json, a device it has no profile for):
+        # prescribe from the spans alone.
+        predictor, note = None, f"\n  (no planner predictions: {err})"
+    found = diagnose(summary, run.config, predictor)
+    ranks = summary["per_rank"]
+    return format_prescriptions(found, critical_rank(ranks) if ranks else None) + note
+
+
+def _write_bands(run, path: str) -> str:
+    from threefold.observe.bands import bands_from_run, write_bands
+
+    bands = bands_from_run(run)
+    if not bands:
+        raise RunDirError(f"report: {run.path} has no spans to take bands from (train with --log.spans true)")
+    try:
+        write_bands(path, bands, f"expected step shares measured in {run.path} (threefold report --write-bands)")
+    except OSError as err:
+        raise RunDirError(f"report: cannot write {path} ({err.strerror or err})") from None
+    return f"wrote bands of {len(bands)} categories to {path}: threefold train --log.bands {path}"
+
+
+def report_command(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="threefold report", usage=USAGE)
+    ap.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's log.dir (one, or two to compare)")
+    ap.add_argument("--out", help="where plots and report.html go (default RUN_DIR/report)")
+    ap.add_argument("--no-plots", action="store_true", help="text only")
+    ap.add_argument(
+        "--write-bands", metavar="FILE", help="write the run's measured step shares as bands for train's log.bands"
+    )
+    from threefold.planner.cluster import split_cluster_args
+
+    argv, cluster_pairs = split_cluster_args(argv)
+    args = ap.parse_args(argv)
+    if len(args.runs) > 2:
+        ap.error("give one run directory, or two to compare")
+    runs = [load_run(r) for r in args.runs]
+    summaries = [summarize(r) for r in runs]
+    if len(runs) == 2:
+        text, _ = compare(summaries[0], summaries[1], runs[0].config, runs[1].config, runs[0], runs[1])
+        print(text)
+        return 0
+    from threefold.analysis.summary import format_summary
+
+    run, summary = runs[0], summaries[0]
+    text = format_summary(summary)
+    if summary["breakdown"]:
+        text += "\n" + prescriptions(run, summary, cluster_pairs)
+    if args.write_bands:
+        text += "\n" + _write_bands(run, args.write_bands)
+    print(text)
+    if args.no_plots:
+        return 0
+    from threefold.analysis import plots
+
+    if not plots.have_matplotlib():
+        print(
+            "note: matplotlib is not installed, so no plots or HTML page were written (pip install 'threefold[plots]')"
+        )
+        return 0
+    out = Path(args.out) if args.out else run.path / "report"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        images = [
+            plots.loss_plot(run, out / "loss.png"),
+            plots.timeline_plot(run, out / "timeline.png"),
+            plots.breakdown_plot(run, summary["per_rank"], out / "breakdown.png"),
+        ]
+        images = [i for i in images if i is not None]
+        page = plots.write_html(out / "report.html", f"threefold report: {run.name}", text, images)
+    except OSError as err:
+        raise RunDirError(f"report: cannot write the plots to {out} ({err.strerror or err})") from None
+    missing = []
+    if run.trace is None:
+        missing.append("no timeline (set log.trace_steps)")
+    if not summary["per_rank"]:
+        missing.append("no per-rank breakdown (set log.spans true)")
+    print(
+        f"wrote {', '.join(i.name for i in images)} and {page.name} to {out}"
+        + (f" ({'; '.join(missing)})" if missing else "")
+    )
+    return 0

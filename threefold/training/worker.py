@@ -1,0 +1,113 @@
+"""One training process: join the group, build the grid, train, leave in order.
+
+Runs under the elastic agent (spawned by `threefold train` or started by torchrun) or
+in-process for a single-device run.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from datetime import timedelta
+
+from threefold.config import Config
+from threefold.distributed import failures
+from threefold.distributed.grid import Grid
+from threefold.distributed.runtime import (
+    WorkerEnv,
+    abandon_distributed,
+    give_deadlines,
+    join_group,
+    layout_of,
+    shutdown_distributed,
+)
+from threefold.errors import UserError
+from threefold.training.signals import Stopped, StopSignals
+from threefold.training.trainer import Trainer
+
+
+def crash_line(err: BaseException) -> str:
+    """A Python exception in one short line: its type and the first line of its message."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
+
+
+def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
+    """Entry point of every worker; returns the last step's metrics (rank 0's are reported), or
+    with `measure_memory` every rank's memory rows (on rank 0) for `threefold memory`."""
+    cfg = Config.from_dict(cfg_dict)
+    env = WorkerEnv.from_environ()
+    # Listening from the start: a Ctrl-C during start-up stops the run after its first step.
+    stop = StopSignals.install(speaks=env.rank == 0) if threading.current_thread() is threading.main_thread() else None
+    t, grid = cfg.train, None
+    try:
+        # Start-up (building, resuming, the first step's compilation) waits train.startup_timeout_s
+        # for the slowest rank; the trainer brings train.timeout_s in after the first step.
+        device = join_group(cfg, env, t.startup_timeout_s)
+        layout = layout_of(cfg)
+        layout.check_placement(
+            cfg.parallel.devices_per_node or env.local_world_size, cfg.parallel.allow_tp_across_nodes
+        )
+        grid = Grid.build(layout, timeout=timedelta(seconds=t.startup_timeout_s), device=device)
+        give_deadlines(grid, t.timeout_s, t.startup_timeout_s)
+        probe = None
+        if measure_memory:
+            from threefold.training.memory_probe import MemoryProbe
+
+            probe = MemoryProbe(device)
+        result = Trainer(
+            cfg, grid, device, probe=probe, restarted=env.restart_count > 0, stop=stop, callbacks=callbacks
+        ).train()
+        shutdown_distributed()
+        return result
+    except Stopped as err:
+        # Every rank stopped after the same step and the checkpoint is complete: one line, the
+        # signal's exit code (130 for SIGINT, 143 for SIGTERM), no traceback from any rank.
+        if env.rank == 0:
+            print(err.line(), file=sys.stderr, flush=True)
+        shutdown_distributed()
+        sys.exit(err.exit_code)
+    except UserError as err:
+        # A user mistake found only inside the worker: one line, exit 2, no traceback.
+        print(f"threefold: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except Exception as err:
+        why = _peer_failure(err, cfg, grid)
+        if why is None:
+            # This rank's own failure (a bug, a bad file): recorded and named by its exception in
+            # the one line, then raised on (its traceback goes to the agent's log, or to torchrun).
+            failures.record(cfg.log.dir, env.restart_count, env.rank, crash_line(err), failures.CRASH)
+            if failures.prints_own_line():
+                print(f"threefold: rank {env.rank}: {crash_line(err)}", file=sys.stderr, flush=True)
+            raise
+        # A peer stopped answering or died: fail this worker with one line (the elastic agent
+        # restarts the group or gives up) instead of waiting forever or dumping a traceback.
+        failures.record(cfg.log.dir, env.restart_count, env.rank, why)
+        if failures.prints_own_line():
+            detail = str(err).splitlines()[0][-160:]
+            print(f"threefold: rank {env.rank}: {why}: {detail}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        # Whatever ended the run, this process leaves no group behind (a later run in it, such as
+        # bench/gpu.py's next phase, joins anew); after a failure without waiting for peers.
+        abandon_distributed()
+        if stop is not None:
+            stop.uninstall()
+
+
+def _peer_failure(err: Exception, cfg: Config, grid: Grid | None) -> str | None:
+    """Why a collective failed because of a peer (it hung or died), or None: this rank's own error.
+    `grid`: None before it was built (start-up)."""
+    if not isinstance(err, RuntimeError):
+        return None
+    text = str(err).lower()
+    if "timed out" in text:
+        deadlines = grid.world.deadlines if grid is not None else None
+        if grid is None or (deadlines is not None and deadlines.open_phases):
+            key, seconds = "train.startup_timeout_s", cfg.train.startup_timeout_s
+        else:
+            key, seconds = "train.timeout_s", cfg.train.timeout_s
+        return f"a collective timed out after {key} = {seconds:g} s (a peer is hung or dead)"
+    if "connection closed by peer" in text or "connection reset" in text:
+        return "a peer closed its connection (a worker or node died)"
+    return None
