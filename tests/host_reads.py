@@ -89,3 +89,26 @@ def _repeats_tensor(args, kwargs) -> bool:
 def _bool_mask(index) -> bool:
     items = index if isinstance(index, tuple) else (index,)
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+class FakeCudaEvent:
+    """torch.cuda.Event stand-in for device timers on CPU: record() stamps a fake device clock
+    (advance FakeCudaEvent.clock by hand), synchronize() is counted in FakeCudaEvent.syncs, and
+    elapsed_time is in milliseconds, as CUDA's. Reset both class fields before each use."""
+
+    clock = 0.0
+    syncs = 0
+
+    def __init__(self, enable_timing: bool = False):
+        assert enable_timing
+        self.at = None
+
+    def record(self):
+        self.at = FakeCudaEvent.clock
+
+    def synchronize(self):
+        FakeCudaEvent.syncs += 1
+
+    def elapsed_time(self, end) -> float:
+        return (end.at - self.at) * 1e3
+

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from host_reads import HostReads
+from host_reads import FakeCudaEvent, HostReads
 
 from threefold.distributed import timer as timer_mod
 from threefold.distributed.timer import DeviceTimer
@@ -101,42 +101,24 @@ def test_queue_step_reads_nothing_on_the_host_at_dp2_and_zero3(data, tmp_path):
     assert all(r["zero3_gather_wait_s"] >= 0 for r in zero3) and all("zero3_gather_wait_s" not in r for r in zero0)
 
 
-class _FakeEvent:
-    """torch.cuda.Event stand-in: record() stamps a fake device clock; synchronize() is counted."""
-
-    clock, syncs = 0.0, 0
-
-    def __init__(self, enable_timing: bool = False):
-        self.at = None
-
-    def record(self):
-        self.at = _FakeEvent.clock
-
-    def synchronize(self):
-        _FakeEvent.syncs += 1
-
-    def elapsed_time(self, end) -> float:
-        return (end.at - self.at) * 1e3
-
-
 def _interval(timer: DeviceTimer, width: float) -> None:
     token = timer.start()
-    _FakeEvent.clock += width
+    FakeCudaEvent.clock += width
     timer.stop(token)
-    _FakeEvent.clock += 10.0
+    FakeCudaEvent.clock += 10.0
 
 
 def test_a_taken_timer_keeps_its_intervals_unread_and_the_next_ones_go_to_the_timer(monkeypatch):
     """What a queued step carries on CUDA: its own event pairs, resolved when read, none of the
     intervals recorded after it was queued (the next step's), and no wait before the read."""
-    monkeypatch.setattr(timer_mod.torch.cuda, "Event", _FakeEvent)
-    _FakeEvent.clock, _FakeEvent.syncs = 0.0, 0
+    monkeypatch.setattr(timer_mod.torch.cuda, "Event", FakeCudaEvent)
+    FakeCudaEvent.clock, FakeCudaEvent.syncs = 0.0, 0
     timer = DeviceTimer(torch.device("cuda", 0))
     _interval(timer, 0.25)
     _interval(timer, 0.5)
     step = timer.take()
     _interval(timer, 2.0)  # the next step's
-    assert _FakeEvent.syncs == 0
-    assert step.seconds == pytest.approx(0.75) and _FakeEvent.syncs >= 1
+    assert FakeCudaEvent.syncs == 0
+    assert step.seconds == pytest.approx(0.75) and FakeCudaEvent.syncs >= 1
     assert timer.seconds == pytest.approx(2.0)
     assert timer.take().seconds == pytest.approx(2.0) and timer.seconds == 0.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from host_reads import FakeCudaEvent
 
 from threefold.config import build_config
 from threefold.data.prefetch import Prefetcher, pinned
@@ -55,26 +56,6 @@ def test_chunked_loss_saves_the_logits_in_their_own_dtype():
 # ----------------------------------------------------------------------------- device timer
 
 
-class _FakeEvent:
-    """torch.cuda.Event stand-in: record() stamps a fake device clock; synchronize() is counted."""
-
-    clock = 0.0
-    syncs = 0
-
-    def __init__(self, enable_timing: bool = False):
-        assert enable_timing
-        self.at = None
-
-    def record(self):
-        self.at = _FakeEvent.clock
-
-    def synchronize(self):
-        _FakeEvent.syncs += 1
-
-    def elapsed_time(self, end) -> float:
-        return (end.at - self.at) * 1e3  # milliseconds, as CUDA's
-
-
 def test_device_timer_on_cpu_sums_host_intervals():
     t = DeviceTimer("cpu")
     for _ in range(3):
@@ -88,20 +69,20 @@ def test_device_timer_on_cpu_sums_host_intervals():
 
 
 def test_device_timer_on_cuda_resolves_event_pairs_once_when_read(monkeypatch):
-    monkeypatch.setattr(timer_mod.torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(timer_mod.torch.cuda, "Event", FakeCudaEvent)
     monkeypatch.setattr(timer_mod.time, "perf_counter", lambda: pytest.fail("host clock used on cuda"))
-    _FakeEvent.syncs, _FakeEvent.clock = 0, 0.0
+    FakeCudaEvent.syncs, FakeCudaEvent.clock = 0, 0.0
     t = DeviceTimer(torch.device("cuda", 0))
     for width in (0.25, 0.5):
         token = t.start()
-        _FakeEvent.clock += width  # the device's time passes; the host's is irrelevant
+        FakeCudaEvent.clock += width  # the device's time passes; the host's is irrelevant
         t.stop(token)
-        _FakeEvent.clock += 10.0  # gaps between intervals do not count
-    assert _FakeEvent.syncs == 0  # nothing waits while intervals are recorded
+        FakeCudaEvent.clock += 10.0  # gaps between intervals do not count
+    assert FakeCudaEvent.syncs == 0  # nothing waits while intervals are recorded
     assert t.seconds == pytest.approx(0.75)
-    syncs = _FakeEvent.syncs
+    syncs = FakeCudaEvent.syncs
     assert syncs >= 1  # the read waited for the device to reach the events
-    assert t.seconds == pytest.approx(0.75) and _FakeEvent.syncs == syncs  # resolved once
+    assert t.seconds == pytest.approx(0.75) and FakeCudaEvent.syncs == syncs  # resolved once
 
 
 def test_pipeline_stats_read_their_timers():

@@ -65,11 +65,11 @@ def build_model(
         apply_expert_parallel(model, grid, cfg.model)
     # Off the meta device: the positions are real tensors; the core holds no parameters.
     apply_context_parallel(model, grid, cfg.parallel.cp_impl, cfg.model.seq_len, device)
-    where = {"cfg": cfg.model, "seed": cfg.train.seed, "first": first, "last": last}
+    init_args = {"cfg": cfg.model, "seed": cfg.train.seed, "first": first, "last": last}
     if defer_init:
-        initialize = partial(tie_and_defer, device=device, **where)
+        initialize = partial(tie_and_defer, device=device, **init_args)
     else:
-        initialize = partial(tie_and_init, **where)
+        initialize = partial(tie_and_init, **init_args)
     return _finish(model, cfg, grid, device, initialize, defer=defer_init)
 
 
@@ -146,7 +146,9 @@ def apply_user_plan(model: nn.Module, spec, grid: Grid, sp: bool, overlap: bool)
     (reduce-scattered under SP); vocab: a VocabParallelEmbedding, or for the head's linear
     vocabulary-split logits and the vocab-parallel loss; replicated: kept whole. Under SP the
     sequence is split after the embedding, and replicated parameters of blocks and head (norms,
-    which then see seq/tp rows) get their gradients summed over tp. A no-op when tp is 1."""
+    which then see seq/tp rows) get their gradients summed over tp. A no-op when tp is 1.
+    The plan's strings become rows of tensor_parallel/apply.py's USER_STYLES, run by apply_plan
+    (the built-in Transformer's interpreter)."""
     tp = grid.tp
     if tp.size == 1:
         return model
