@@ -88,7 +88,7 @@ from gpu_checks import (  # noqa: E402
 )
 from gpu_perf import GIB, Performance, pick_model  # noqa: E402
 
-from threefold.checkpoint.manifest import write_atomic  # noqa: E402
+from threefold.atomic import atomic_write  # noqa: E402
 
 # runs/ is git-ignored: a results file at the repository root reads as committed evidence.
 DEFAULT_JSON = "runs/gpu_bench.json"
@@ -122,7 +122,7 @@ class Bench:
         self.doc["seconds"] = self.clock() - self.t0
         self.doc["all_ok"] = all(r["ok"] for r in self.doc["checks"])
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.path, json.dumps(self.doc, indent=2))
+        atomic_write(self.path, json.dumps(self.doc, indent=2))
 
     def emit(self, row: dict) -> None:
         self.doc["checks"].append({**row, "phase": self.phase})

@@ -259,9 +259,9 @@ def run_suite(sections: list, quick: bool, out: str | None, json_path: str | Non
     results = run_sections(sections, quick, log=lambda *a, **k: print(*a, file=sys.stderr, **k))
     text = write_markdown(results, info, command, time.perf_counter() - t0, quick)
     if out:
-        tmp = Path(out).with_suffix(".tmp")
-        tmp.write_text(text + "\n")
-        os.replace(tmp, out)  # never leave a half-written document
+        from threefold.atomic import atomic_write
+
+        atomic_write(out, text + "\n")  # never leave a half-written document
         print(f"bench: wrote {out}", file=sys.stderr)
     else:
         print(text)

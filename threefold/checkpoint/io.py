@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from threefold.atomic import atomic_write, fsync_dir
 from threefold.checkpoint.manifest import (
     LATEST,
     MANIFEST,
@@ -28,13 +29,11 @@ from threefold.checkpoint.manifest import (
     TensorEntry,
     build,
     file_name,
-    fsync_dir,
     list_checkpoints,
     sha256_of,
     shard_key,
     step_dir_name,
     verify,
-    write_atomic,
     write_tables,
 )
 from threefold.checkpoint.state import LocalTensor
@@ -181,7 +180,7 @@ def _publish(root: Path, final: Path, step: int, reports, config, layout, extra)
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(root)
-    write_atomic(root / LATEST, final.name + "\n")
+    atomic_write(root / LATEST, final.name + "\n")
 
 
 def _prune(root: Path, keep: int) -> None:

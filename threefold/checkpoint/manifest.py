@@ -25,11 +25,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from threefold.atomic import atomic_write, fsync_dir  # noqa: F401 - fsync_dir: see write_atomic
+from threefold.atomic import atomic_write
 from threefold.errors import UserError
-
-# checkpoint/io.py's publish and bench/gpu.py import fsync_dir and write_atomic from here.
-write_atomic = atomic_write
 
 FORMAT = "threefold-checkpoint/2"
 LEGACY = "threefold-checkpoint/1"
