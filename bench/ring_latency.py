@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dp_common import spawn  # noqa: E402
 from stats import Interval, bootstrap, show  # noqa: E402
 
-from threefold.observe.metrics import available_cores  # noqa: E402
+from threefold.observe.host import available_cores  # noqa: E402
 
 
 def _rank_main(groups: list[int], calls: int, burst_ms: float, rounds: int) -> dict[int, list[float]]:

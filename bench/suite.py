@@ -132,8 +132,7 @@ def machine() -> dict:
     """CPU model, cores this process may use, memory, torch/python versions, load, GPU."""
     import torch
 
-    from threefold.observe.metrics import available_cores
-    from threefold.observe.peak import cpu_model
+    from threefold.observe.host import available_cores, cpu_model
 
     mem_gib = 0.0
     with contextlib.suppress(OSError, ValueError, IndexError):

@@ -14,6 +14,7 @@ from threefold.distributed.data_parallel.engine import MiB, _ordered_params
 from threefold.distributed.data_parallel.layout import build_layout
 from threefold.distributed.pipeline.partition import stage_layer_ids
 from threefold.distributed.tensor_parallel import apply_tensor_parallel
+from threefold.distributed.tp_collectives import DENSE_BLOCK, LOSS_FP32_PER_TOKEN, TP_COLLECTIVES, block_collectives
 from threefold.model.transformer import Transformer
 
 from harness import CALM_LR, run_training
@@ -55,15 +56,18 @@ def expected(cfg, stage: int) -> dict[str, tuple[int, int]]:
     micro = B // (DP * MB)
     x = SEQ * MB * m.hidden * 4  # one activation [seq, micro-batch, hidden]
     layers = len(stage_layer_ids(m, PP, 1, "")[stage])
-    # TP per micro-batch: 2 forward all-reduces (attention and MLP outputs) and 2 backward (their
-    # inputs) per layer; the embedding's forward (first stage) or the head's input gradient
-    # (last); the vocab-parallel loss: a max and the target-logit/exp sums (3 values per token).
+    # TP per micro-batch, as distributed/tp_collectives.py counts it without SP: each layer's
+    # attention and MLP, the embedding (first stage) or the head (last), each collective one x;
+    # the vocab-parallel loss (last): a max and the target-logit/exp sums, fp32 per token.
     # Once per step: the squared norms of the TP shards, one fp32 scalar.
-    tp_calls = micro * (4 * layers + 1) + 1
-    tp_bytes = micro * (4 * layers + 1) * x + 4
+    table = TP_COLLECTIVES[False]
+    end = table["embedding"] if stage == 0 else table["head"]
+    activations = layers * block_collectives(False, DENSE_BLOCK).calls + end.both.calls
+    tp_calls = micro * activations + 1
+    tp_bytes = micro * activations * x + 4
     if stage == PP - 1:
-        tp_calls += micro * 2
-        tp_bytes += micro * 3 * SEQ * MB * 4
+        tp_calls += micro * table["loss"].both.calls
+        tp_bytes += micro * LOSS_FP32_PER_TOKEN * SEQ * MB * 4
     # PP: one send per micro-batch (activations forward, or their gradients backward); the
     # spans' pipeline flush (1 float) and the norm's sum over stages (fp32).
     pp = (micro + 2, micro * x + 4 + 4)

@@ -172,7 +172,7 @@ def test_one_trillion_parameters_on_16384_gpus_plans_in_under_10_seconds():
     assert best.layout.spec() == (
         "tp=8,pp=16,dp=128,vpp=8,mbs=1,schedule=interleaved,zero=1,sp=true,recompute=selective,ep=1"
     )
-    assert best.mfu == pytest.approx(0.4445, abs=0.005)  # fp32 gradients; small GEMMs and element-wise work
+    assert best.mfu == pytest.approx(0.4426, abs=0.005)  # fp32 gradients; small GEMMs and element-wise work
     assert plan.considered > 2000
 
 

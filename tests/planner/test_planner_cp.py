@@ -13,7 +13,8 @@ from threefold.cli import main
 from threefold.config import build_config
 from threefold.distributed.context_parallel import analytic_bytes
 from threefold.planner.cluster import build_cluster
-from threefold.planner.cost import _latency_steps, step_terms
+from threefold.planner.comm_cost import latency_steps as _latency_steps
+from threefold.planner.cost import step_terms
 from threefold.planner.cp_cost import cp_traffic
 from threefold.planner.layout import Layout, parse_layout, structural_reason
 from threefold.planner.model import model_shape

@@ -95,14 +95,22 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
         return torch.version.hip is None and dtype == torch.bfloat16 and major in (9, 10)
     if device.type != "cpu":
         return False
+    # The first call may come from inside a checkpointed forward (full recompute): the probe's
+    # own saved tensors must not be packed by checkpoint's hooks, or the forward saves more
+    # tensors than its rerun (which finds the answer cached) and the rerun fails.
     try:
-        x = torch.ones(2, 8, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, 8, 8, dtype=dtype, requires_grad=True)
-        y = torch._grouped_mm(x, w, offs=torch.tensor([1, 2], dtype=torch.int32))
-        y.backward(torch.ones_like(y))  # a dense gradient: its backward refuses expanded ones
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            x = torch.ones(2, 8, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 8, 8, dtype=dtype, requires_grad=True)
+            y = torch._grouped_mm(x, w, offs=torch.tensor([1, 2], dtype=torch.int32))
+            y.backward(torch.ones_like(y))  # a dense gradient: its backward refuses expanded ones
     except (RuntimeError, NotImplementedError):
         return False
     return True
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class Experts(nn.Module):

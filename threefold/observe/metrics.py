@@ -19,7 +19,7 @@ import numpy
 import torch
 
 from threefold.atomic import atomic_write
-from threefold.observe.peak import cpu_model
+from threefold.observe.host import cpu_model, total_ram_bytes
 
 
 def _jsonable(value):
@@ -90,20 +90,6 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def total_ram_bytes() -> int | None:
-    """The host's physical memory, or None where the platform does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its affinity mask, e.g. a container's share), not the
-    host's count."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def hardware_info(device: torch.device | str) -> dict:

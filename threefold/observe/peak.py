@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import re
 import time
 import warnings
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from threefold.atomic import atomic_write
+from threefold.observe.host import cpu_model
 
 T = 1e12
 # (regex on torch.cuda.get_device_name(), {dtype key: dense FLOP/s}); first match wins,
@@ -81,18 +81,6 @@ def cuda_peak_flops(name: str, dtype: torch.dtype) -> float | None:
             return None
     _warn_once(name, dtype, "device not in the peak table")
     return None
-
-
-def cpu_model() -> str:
-    """CPU model name from /proc/cpuinfo, else platform.processor(), else the machine type."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def _measure_cpu_peak(dtype: torch.dtype, budget_s: float = 0.35) -> float:

@@ -45,9 +45,10 @@ from threefold.planner.categories import (
     with_categories,
 )
 from threefold.planner.cluster import Cluster, check_cluster
-from threefold.planner.cost import from_unit, merge_terms, seconds, step_terms, unit
+from threefold.planner.cost import merge_terms, seconds, step_terms
 from threefold.planner.model import model_shape
 from threefold.planner.runs import SPANS, Run, _config_from, load_run  # noqa: F401 (load_run, _config_from: API)
+from threefold.planner.units import from_unit, unit
 from threefold.planner.validation import MEASURED_AS, bands_from_rows
 
 EXPONENT = "core_share_exponent"  # fitted on a grid, not by least squares (see fit)

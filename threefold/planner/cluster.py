@@ -19,7 +19,7 @@ from typing import Any
 
 from threefold.config import knob, read_toml_file
 from threefold.errors import ConfigError
-from threefold.observe.metrics import available_cores, total_ram_bytes
+from threefold.observe.host import available_cores, total_ram_bytes
 
 GiB = float(1 << 30)
 

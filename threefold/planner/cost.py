@@ -2,7 +2,7 @@
 parameters, so that one function both predicts and (in `calibrate`) is fitted.
 
 Each category is a `Terms` dict {parameter: coefficient}; its time is
-sum(coefficient * unit(parameter)), where unit() is, per parameter:
+sum(coefficient * unit(parameter)), where unit() (planner/units.py) is, per parameter:
 
     compute_efficiency   1 / efficiency          coefficient: seconds at 100% of peak
     *_bw_gbps            1 / (bandwidth * 1e9)   coefficient: bytes over that link
@@ -19,39 +19,20 @@ The categories of one optimizer step on the slowest pipeline rank:
     recompute  the forward work recomputation does again (selective: attention core; full: layers)
     cp_comm    per layer and micro-batch, context_parallel.analytic_bytes over the cp link; ring:
                what outlasts each step's attention is exposed, a2a: all (planner/cp_cost.py)
-    tp_comm    TP: 4 all-reduces of sbh per layer and micro-batch (2 forward, 2 backward); SP: 4
-               all-gathers + 4 reduce-scatters + the 2 all-gathers backward repeats to rebuild
-               the sequence-sharded inputs; full recompute repeats the forward's; the vocab-
-               parallel embedding (forward) and head (backward) add one each: without SP 4l + 2
-               collectives, what the training loop's tp_comm_bytes counts. Ring volumes and
-               steps, plus a fixed cost per call, (1 - tp_overlap) of them exposed. An MoE
-               block keeps attention's half; its routed
-               experts split the tokens over tp instead: without SP an all-gather of the output
-               forward and of the input gradient backward (SP: none), plus a latency-only
-               gather of the routing counts; a shared expert is a TP MLP (the dense half again).
-    ep_comm    per MoE block and micro-batch, 4 all-to-alls (dispatch and combine, forward and
-               backward; full recompute repeats the forward's 2) of (b s / t) top_k h, each rank
-               sending (ep-1)/ep of it, plus a latency-only exchange of counts per forward
-    pp_comm    the slowest rank's own point-to-point transfers of sbh (sbh/t under SP): an end rank
-               sends and receives 2 m (2 v - 1), a middle one 4 m v (what its pp_p2p span times)
+    tp_comm    per layer and micro-batch, the TP/SP collectives distributed/tp_collectives.py counts
+    ep_comm    per MoE block and micro-batch, the all-to-alls of expert parallelism
+    pp_comm    the slowest rank's own point-to-point transfers (these three and the links each group
+               runs over: planner/comm_cost.py)
     bubble     (compute + recompute + tp_comm + ep_comm + layer overhead) * B/(1-B), B = bubble_theory(...):
                the ideal-time form (p-1)/m (gpipe, 1f1b), (p-1)/(v m) (interleaved), (p-1)/(3m) (zb).
                Processes sharing too few cores (cpu): what the larger of the critical path at a
                full core and all ranks' work over the cores leaves beyond the rank's own work
-    dp_comm    ZeRO 0 all-reduce 2(N-1)/N P; 1 and 2 reduce-scatter + all-gather, the same volume;
-               3 reduce-scatter + an all-gather per micro-batch forward and backward; (1 - dp_overlap)
-               of it exposed; on the last pipeline stage only what outlasts the p - 1 backward
-               passes the earlier stages still run. MoE: dense parameters over dp*cp, the experts
-               (E_params / ep per device) over expert_dp = tp*cp*dp / ep, the same formulas
+    dp_comm    the gradient synchronisation of the rank holding the most parameters (comm_cost.py);
+               on the last pipeline stage only what outlasts the p - 1 backward passes the earlier
+               stages still run
     optimizer  AdamW reads and writes its state once: P_opt (2 K_opt + K_param + K_grad) bytes / mem_bw
                (at the process's core share, cpu: the bandwidth is the core's)
     overhead   layer_overhead per layer pass + step_overhead
-
-Links (order tp-cp-ep-dp-pp: a group spans the product of the degrees up to its own): TP over
-the intra-node link while tp fits in a node; CP while tp*cp does; DP (over dp*cp replicas)
-while tp*cp*dp does; EP while tp*cp*ep does; PP over the inter-node link as soon as there is
-more than one node. Latency: a ring step per peer inside a node; across nodes NCCL's trees pay
-~2 log2(N) steps instead of 2(N-1).
 
 A calibrated cluster may carry a measured category's own parameters (`Cluster.categories`,
 from per-category least squares in calibrate.py); unit() uses them for that category's terms.
@@ -59,16 +40,28 @@ from per-category least squares in calibrate.py); unit() uses them for that cate
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from threefold.planner.cluster import Cluster
+
+# cp_cost.cp_comm_terms takes the latency rule as an argument; tests/planner/test_planner_cp.py reads it here.
+from threefold.planner.comm_cost import (
+    dp_link,
+    ep_comm_terms,
+    ep_group_link,
+    gradient_sync_terms,
+    latency_steps,
+    pp_comm_terms,
+    pp_link,
+    tp_comm_terms,
+    tp_link,
+)
 from threefold.planner.cp_cost import cp_comm_terms, cp_link
 from threefold.planner.kernels import elementwise_bytes, gemm_factor, head_factor
 from threefold.planner.layout import Layout
-from threefold.planner.memory import ACT_BYTES
+from threefold.planner.memory import ACT_BYTES, expert_dp
 from threefold.planner.model import ModelShape
-from threefold.planner.units import from_unit, unit  # noqa: F401  (from_unit: calibrate.py imports it from here)
+from threefold.planner.units import unit
 
 CATEGORIES = (
     "compute",
@@ -119,19 +112,6 @@ def merge_terms(*parts: Terms) -> Terms:
     return out
 
 
-def _collective(into: Terms, link: str, nbytes: float, steps: float, calls: float) -> None:
-    _add(into, f"{link}_bw_gbps", nbytes)
-    _add(into, f"{link}_latency_us", steps)
-    _add(into, "collective_overhead_us", calls)
-
-
-def _latency_steps(n: int, link: str, ring_steps: float) -> float:
-    """Ring steps inside a node; across nodes tree algorithms pay ~2 log2(n) per collective."""
-    if link == "inter":
-        return min(ring_steps, 2 * math.ceil(math.log2(max(n, 2))))
-    return ring_steps
-
-
 def bubble_ratio(schedule: str, p: int, m: int, v: int = 1) -> float:
     """Pipeline idle time / ideal time, from the simulator's bubble fraction B: B / (1 - B)."""
     if p == 1:
@@ -163,7 +143,7 @@ class StepTerms:
 @dataclass(frozen=True)
 class _StepInputs:
     """What every part of one layout's step reads: the model, the cluster, the layout, and what
-    follows from them once (local tokens, links, the GEMMs' small-shape factors)."""
+    follows from them once (local tokens, the GEMMs' small-shape factors, cp traffic)."""
 
     shape: ModelShape
     cluster: Cluster
@@ -185,8 +165,6 @@ class _StepInputs:
     """Memory-bound bytes of one layer pass and micro-batch, at the process's core share."""
     cp_layer: Terms
     """One layer's context-parallel attention traffic per micro-batch (planner/cp_cost.py)."""
-    links: dict[str, str]
-    """Per group (tp, cp, ep, dp, pp): "intra" or "inter", the link it runs over."""
 
     @classmethod
     def of(cls, shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: int, dtype: str) -> _StepInputs:
@@ -207,21 +185,18 @@ class _StepInputs:
             layer_gemm_factor=gemm_factor(shape.cfg, tokens, t, cluster.gemm_half_dim),
             head_gemm_factor=head_factor(shape.cfg, tokens, t, cluster.gemm_half_dim),
             elementwise_bytes=moved,
-            cp_layer=cp_comm_terms(shape, cluster, layout, act, _latency_steps),
-            links=_links(cluster, layout, replicas),
+            cp_layer=cp_comm_terms(shape, cluster, layout, act, latency_steps),
         )
 
 
-def _links(cluster: Cluster, layout: Layout, replicas: int) -> dict[str, str]:
-    """Each group's link (order tp-cp-ep-dp-pp): inside a node while the ranks up to and
-    including its own degree fit in one (see the module docstring)."""
-    t, per_node, one_node = layout.tp, cluster.devices_per_node, cluster.nodes == 1
+def _links(cluster: Cluster, layout: Layout) -> dict[str, str]:
+    """Each group's link, "intra" or "inter" (planner/comm_cost.py)."""
     return {
-        "tp": "intra" if (t <= per_node and per_node % t == 0) or one_node else "inter",
-        "pp": "intra" if one_node else "inter",
-        "dp": "intra" if t * replicas <= per_node or one_node else "inter",
-        "ep": ep_group_link(cluster, t, layout.ep, layout.cp),
-        "cp": cp_link(cluster, t, layout.cp),
+        "tp": tp_link(cluster, layout.tp),
+        "pp": pp_link(cluster),
+        "dp": dp_link(cluster, layout),
+        "ep": ep_group_link(cluster, layout.tp, layout.ep, layout.cp),
+        "cp": cp_link(cluster, layout.tp, layout.cp),
     }
 
 
@@ -234,7 +209,7 @@ def step_terms(
     rank, slowest, lightest = _slowest_and_lightest_rank(step)
     categories: dict[str, Terms] = {name: _scaled(terms, m) for name, terms in slowest.items()}
     _add_bubble(step, categories, slowest)
-    categories["pp_comm"] = _pp_comm_terms(step)
+    categories["pp_comm"] = pp_comm_terms(shape, cluster, layout, m, step.act_bytes)
     dense, expert = _most_state_held(step)
     categories["dp_comm"] = _dp_comm_terms(step, dense, expert, rank, slowest["compute"])
     categories["optimizer"] = _optimizer_terms(step, dense, expert)
@@ -242,7 +217,8 @@ def step_terms(
     # The idlest rank waits for the bubble, the transfers and for the slowest rank's extra work.
     imbalance = merge_terms(_scaled(merge_terms(*slowest.values()), m), _scaled(merge_terms(*lightest.values()), -m))
     pp_idle = merge_terms(categories["bubble"], categories["pp_comm"], imbalance) if layout.pp > 1 else {}
-    return StepTerms(categories, rank, _hardware_flops(step, rank), dict(step.links), {"pp_idle": pp_idle})
+    links = _links(cluster, layout)
+    return StepTerms(categories, rank, _hardware_flops(step, rank), links, {"pp_idle": pp_idle})
 
 
 def _slowest_and_lightest_rank(step: _StepInputs) -> tuple[str, dict[str, Terms], dict[str, Terms]]:
@@ -273,9 +249,9 @@ def _micro_batch_terms(step: _StepInputs, layers: int, has_head: bool) -> dict[s
     return {
         "compute": compute,
         "recompute": recompute,
-        "tp_comm": _tp_comm_terms(step, layers, moe_layers),
+        "tp_comm": tp_comm_terms(step.shape, step.cluster, step.layout, step.act_bytes, layers, moe_layers),
         "cp_comm": _scaled(step.cp_layer, layers),
-        "ep_comm": _ep_comm_terms(step, moe_layers),
+        "ep_comm": ep_comm_terms(step.shape, step.cluster, step.layout, step.act_bytes, moe_layers),
         "overhead": overhead,
     }
 
@@ -295,67 +271,6 @@ def _compute_terms(step: _StepInputs, layers: int, has_head: bool) -> tuple[Term
     return compute, _scaled(rerun, 1)  # without the zero entries
 
 
-def _tp_comm_terms(step: _StepInputs, layers: int, moe_layers: float) -> Terms:
-    """TP/SP collectives of one micro-batch over `layers` layers (`moe_layers` of them MoE
-    blocks): ring volumes and latency steps plus a fixed cost per call, (1 - tp_overlap) exposed."""
-    layout, tp = step.layout, step.layout.tp
-    terms: Terms = {}
-    if tp == 1:
-        return terms
-    full = step.full_recompute
-    shared = bool(getattr(step.shape.cfg, "shared_expert", False))
-    # Collectives per block as (all-reduces, all-gathers or reduce-scatters, latency-only).
-    if layout.sp:  # 4 AG + 4 RS, 2 AG repeated in backward; full recompute repeats 2 + 2
-        dense_block = (0, 10 + 4 * full, 0)
-        attention = (0, 5 + 2 * full, 0)
-        routed = (0, 0, 1 + full)  # tokens arrive split; only the routing counts are gathered
-    else:  # 2 all-reduces forward, 2 backward; full recompute repeats the forward's
-        dense_block = (4 + 2 * full, 0, 0)
-        attention = (2 + full, 0, 0)
-        # each rank routes its slice of the sequence: the output is all-gathered forward, the
-        # input gradient backward; plus the routing counts
-        routed = (0, 2 + full, 1 + full)
-    moe_block = tuple(a + r + (d - a if shared else 0) for a, r, d in zip(attention, routed, dense_block))
-    all_reduces, gathers, latency_only = (
-        (layers - moe_layers) * d + moe_layers * e for d, e in zip(dense_block, moe_block)
-    )
-    if layout.sp:
-        gathers += 2  # the vocab-parallel embedding (forward) and head (backward)
-    else:
-        all_reduces += 2
-    activation = step.tokens * step.shape.hidden * step.act_bytes
-    ring = (tp - 1) / tp
-    link = step.links["tp"]
-    nbytes = all_reduces * 2 * ring * activation + gathers * ring * activation
-    steps = all_reduces * _latency_steps(tp, link, 2 * (tp - 1)) + (gathers + latency_only) * _latency_steps(
-        tp, link, tp - 1
-    )
-    calls = all_reduces + gathers + latency_only
-    exposed = 1.0 - step.cluster.tp_overlap
-    _collective(terms, link, exposed * nbytes, exposed * steps, exposed * calls)
-    return terms
-
-
-def _ep_comm_terms(step: _StepInputs, moe_layers: float) -> Terms:
-    """Expert-parallel all-to-alls of one micro-batch: dispatch + combine forward and the same
-    two backward (full recompute repeats the forward's), plus one exchange of counts per forward."""
-    terms: Terms = {}
-    if step.layout.ep == 1 or not moe_layers:
-        return terms
-    a2a = ep_all_to_all(step.shape, step.cluster, step.layout, step.act_bytes)
-    full = step.full_recompute
-    all_to_alls = 4 + 2 * full
-    exchanges = all_to_alls + 1 + full
-    _collective(
-        terms,
-        step.links["ep"],
-        moe_layers * all_to_alls * a2a["bytes"],
-        moe_layers * exchanges * a2a["steps"],
-        moe_layers * exchanges,
-    )
-    return terms
-
-
 def _add_bubble(step: _StepInputs, categories: dict[str, Terms], slowest: dict[str, Terms]) -> None:
     """categories["bubble"]: the slowest rank's micro-batch work times m B/(1-B); processes that
     share too few cores (cpu) rescale the work categories too (_oversubscribed_pipeline)."""
@@ -366,21 +281,6 @@ def _add_bubble(step: _StepInputs, categories: dict[str, Terms], slowest: dict[s
         _oversubscribed_pipeline(categories, slowest, whole_model, m, layout.pp, ratio, share)
     else:
         categories["bubble"] = _scaled(merge_terms(*slowest.values()), m * ratio)
-
-
-def _pp_comm_terms(step: _StepInputs) -> Terms:
-    """The slowest rank's own point-to-point transfers: an end rank sends and receives once per
-    micro-batch and chunk boundary it owns, a middle rank (p >= 3 has one on the critical path)
-    both ways; sbh each (sbh / tp under SP)."""
-    layout, m, v = step.layout, step.microbatches, step.layout.vpp
-    terms: Terms = {}
-    if layout.pp == 1:
-        return terms
-    transfers = 4 * m * v if layout.pp >= 3 else 2 * m * (2 * v - 1)
-    activation = step.tokens * step.shape.hidden * step.act_bytes / (layout.tp if layout.sp else 1)
-    # Sends and receives are posted ahead and wait for no group: no rendezvous to pay.
-    _collective(terms, step.links["pp"], transfers * activation, transfers, 0)
-    return terms
 
 
 def _most_state_held(step: _StepInputs) -> tuple[float, float]:
@@ -399,24 +299,11 @@ def _most_state_held(step: _StepInputs) -> tuple[float, float]:
     return max(held, key=sum)
 
 
-def _expert_replicas(step: _StepInputs) -> int:
-    """expert_dp: the ranks over which an expert's gradients are reduced, tp x dp x cp / ep
-    (they span the same consecutive ranks as dp)."""
-    return step.layout.tp * step.gradient_replicas // step.layout.ep
-
-
 def _dp_comm_terms(step: _StepInputs, dense: float, expert: float, rank: str, slowest_compute: Terms) -> Terms:
-    """Gradient synchronisation of the rank holding the most: dense gradients over dp x cp,
-    experts' over expert_dp, (1 - dp_overlap) exposed; on the last stage only what outlasts the
-    backward passes the earlier stages still run."""
+    """The gradient synchronisation of the rank holding the most (comm_cost.py); on the last
+    stage only what outlasts the backward passes the earlier stages still run."""
     layout, cluster = step.layout, step.cluster
-    kp, kg = step.act_bytes, 4  # working parameters in the run's dtype; gradients reduced in fp32 (the default)
-    link, exposed = step.links["dp"], 1.0 - cluster.dp_overlap
-    terms: Terms = {}
-    for numel, replicas in ((dense, step.gradient_replicas), (expert, _expert_replicas(step))):
-        if replicas > 1 and numel:
-            nbytes, steps, calls = _gradient_sync(numel, replicas, layout.zero, step.microbatches, link, kp, kg)
-            _collective(terms, link, exposed * nbytes, exposed * steps, exposed * calls)
+    terms = gradient_sync_terms(cluster, layout, dense, expert, step.microbatches, step.act_bytes)
     if layout.pp == 1 or rank != "last" or not terms:
         return terms
     # 1F1B: the last stage's final backward ends p - 1 backward passes before the first stage's,
@@ -434,7 +321,7 @@ def _optimizer_terms(step: _StepInputs, dense: float, expert: float) -> Terms:
     state_bytes = 12 if step.dtype == "bf16" else 8  # K_opt: fp32 moments (and the fp32 master under bf16)
     kp, kg = step.act_bytes, 4
     if layout.zero >= 1:
-        numel = dense / step.gradient_replicas + expert / _expert_replicas(step)
+        numel = dense / step.gradient_replicas + expert / expert_dp(layout)
     else:
         numel = dense + expert
     return {"mem_bw_gbps": numel * (2 * state_bytes + kp + kg) / step.cluster.core_share}
@@ -479,40 +366,3 @@ def _oversubscribed_pipeline(
     if critical.get(flops, 0.0) >= spread.get(flops, 0.0):
         bubble = merge_terms(bubble, _scaled(merge_terms(mb["tp_comm"], mb["cp_comm"], mb["ep_comm"]), m * ratio))
     cats["bubble"] = {k: c for k, c in bubble.items() if c > 0}
-
-
-def _gradient_sync(numel: float, n: int, zero: int, m: int, link: str, kp: int, kg: int) -> tuple[float, float, float]:
-    """(bytes, latency steps, collective calls) one rank pays to synchronise `numel` parameters
-    over `n` replicas (the buckets' calls counted as one: they overlap each other)."""
-    ring = (n - 1) / n
-    if zero == 0:
-        return 2 * ring * numel * kg, _latency_steps(n, link, 2 * (n - 1)), 1
-    if zero in (1, 2):
-        return ring * numel * (kg + kp), 2 * _latency_steps(n, link, n - 1), 2
-    return ring * numel * (kg + 2 * m * kp), (1 + 2 * m) * _latency_steps(n, link, n - 1), 1 + 2 * m
-
-
-def ep_group_link(cluster: Cluster, t: int, ep: int, cp: int = 1) -> str:
-    """The ep ranks are consecutive data-parallel ranks after tp and cp (order tp-cp-ep-dp-pp):
-    the group spans tp * cp * ep neighbouring ranks, inside a node while that fits one."""
-    return "intra" if t * cp * ep <= cluster.devices_per_node or cluster.nodes == 1 else "inter"
-
-
-def ep_all_to_all(shape: ModelShape, cluster: Cluster, layout: Layout, act: int) -> dict[str, float]:
-    """One all-to-all of an MoE layer's dispatch (or combine) for one micro-batch, per rank.
-
-    A rank routes tokens / tp tokens (the TP ranks split them; cp ranks hold s / cp each), each
-    to top_k experts: V = (b s / (cp tp)) top_k h bytes. Balanced, it keeps 1/ep of V, sends the rest.
-    Inside a node that is (ep-1)/ep of V over the intra link; across nodes the share bound for
-    other nodes' ranks, (ep - local)/ep with `local` group members per node, over the inter
-    link (the in-node part moves at the same time, over the faster link)."""
-    t, ep = layout.tp, layout.ep
-    volume = layout.mbs * shape.seq_len / layout.cp / t * shape.top_k * shape.hidden * act
-    link = ep_group_link(cluster, t, ep, layout.cp)
-    local = ep if link == "intra" else max(1, min(ep, cluster.devices_per_node // (t * layout.cp)))
-    return {
-        "volume": volume,
-        "bytes": volume * (ep - local if link == "inter" else ep - 1) / ep,
-        "steps": _latency_steps(ep, link, ep - 1),
-        "link": link,
-    }

@@ -55,7 +55,7 @@ def attention_forward_s(shape, cluster, layout) -> float:
 def cp_traffic(shape, cluster, layout, act: int, latency_steps) -> dict[str, float]:
     """One layer and micro-batch of cp traffic on one rank: bytes on the link, latency steps,
     calls, and the exposed fraction of their time (at the cluster's values). `latency_steps`
-    is cost._latency_steps (ring steps inside a node, trees across)."""
+    is comm_cost.latency_steps (ring steps inside a node, trees across)."""
     cp = layout.cp
     link = cp_link(cluster, layout.tp, cp)
     sent = cp_bytes(shape, layout, act)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from threefold.planner.cluster import Cluster, GiB
@@ -156,133 +157,26 @@ def search(
 ) -> Plan:
     """Every layout of the cluster's devices for the model and batch; the `keep` fastest that fit."""
     t0 = time.perf_counter()
-    pins = dict(pins or {})
-    cfg = shape.cfg
-    world, dpn = cluster.world, cluster.devices_per_node
-    rejected: dict[str, Rejected] = {}
-    fits: list[tuple] = []
-    considered = 0
+    space = _LayoutSpace(shape.cfg, cluster, global_batch, pins)
     usable = cluster.usable_bytes
+    fits: list[tuple] = []
+    for layout in space.layouts():
+        mem = device_memory(shape, layout, global_batch, dtype)
+        if mem.total > usable:
+            space.reject("memory", layout.as_dict(), oom_sentence(mem, usable, cluster), score=-mem.total)
+            continue
+        pred = predict(shape, cluster, layout, global_batch, dtype, memory=mem)
+        fits.append(((pred.step_time_s, complexity(layout), mem.total), space.considered, pred))
+    ranked = _fastest_distinct(fits, keep)
+    return Plan(shape, cluster, global_batch, dtype, ranked, space.rejected, space.considered, time.perf_counter() - t0)
 
-    def reject(kind: str, partial: dict, sentence: str, score: float = 0.0) -> None:
-        plain = partial.get("cp", 1) == 1  # cp keys only where cp is used, as Layout.spec writes them
-        items = [(k, v) for k, v in partial.items() if not (plain and k in ("cp", "cp_impl"))]
-        spec = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items)
-        rejected.setdefault(kind, Rejected(kind)).add(spec, sentence, score)
 
-    experts = getattr(cfg, "num_experts", 0)
-    if "ep" in pins and pins["ep"] != 1 and not experts:
-        reject(
-            "ep",
-            {"ep": pins["ep"]},
-            f"ep={pins['ep']}: the model has no experts to place, so expert parallelism must be 1.",
-        )
-        pins["ep"] = 1
-    tp_pool = [t for t in _divisors(world) if t <= cfg.heads]
-    long_seq = cluster.cp_min_seq > 0 and cfg.seq_len >= cluster.cp_min_seq
-    for tp, cp in _tp_cp(pins, tp_pool, world, cfg.seq_len, long_seq):
-        why = tp_reason(cfg, tp, dpn, cluster.allow_tp_across_nodes)
-        if why:
-            reject(why[0], {"tp": tp}, why[1])
-            continue
-        impls = []
-        for impl in _allowed(pins, "cp_impl", ("ring", "a2a") if cp > 1 else ("ring",)):
-            why = cp_reason(cfg, cp, impl, tp)
-            if why:
-                reject(why[0], {"tp": tp, "cp": cp, "cp_impl": impl}, why[1])
-            else:
-                impls.append(impl)
-        if not impls:
-            continue
-        rest = world // (tp * cp) if world % (tp * cp) == 0 else 0
-        if not rest:
-            what = f"tp={tp} x cp={cp} = {tp * cp}" if cp > 1 else f"tp={tp}"
-            sentence = f"{what} does not divide the cluster's {world} devices."
-            reject("devices", {"tp": tp, "cp": cp}, sentence)
-            continue
-        pp_pool = [p for p in _divisors(rest) if p <= cfg.layers]
-        for pp in _allowed(pins, "pp", pp_pool):
-            why = pp_reason(cfg, pp, 1)
-            if why:
-                reject(why[0], {"tp": tp, "cp": cp, "pp": pp}, why[1])
-                continue
-            inner = tp * cp * pp
-            dp = pins.get("dp", world // inner if world % inner == 0 else 0)
-            what = f"tp={tp} x pp={pp}" + (f" x cp={cp}" if cp > 1 else "")
-            if dp < 1:
-                sentence = f"{what} = {inner} does not divide the cluster's {world} devices."
-                reject("devices", {"tp": tp, "cp": cp, "pp": pp}, sentence)
-                continue
-            if inner * dp > world:
-                reject(
-                    "devices",
-                    {"tp": tp, "cp": cp, "pp": pp, "dp": dp},
-                    f"{what} x dp={dp} needs {inner * dp} devices but the cluster has {world}.",
-                )
-                continue
-            why = batch_reason(global_batch, dp)
-            if why:
-                reject(why[0], {"tp": tp, "pp": pp, "dp": dp}, why[1])
-                continue
-            ep_pool = []
-            for ep in _allowed(pins, "ep", [e for e in _divisors(dp) if experts and experts % e == 0] or [1]):
-                why = ep_reason(cfg, ep, dp)
-                if why:
-                    reject(why[0], {"tp": tp, "pp": pp, "dp": dp, "ep": ep}, why[1])
-                else:
-                    ep_pool.append(ep)
-            if not ep_pool:
-                continue
-            per_rank = global_batch // dp
-            mbs_pool = [b for b in MBS_CHOICES if per_rank % b == 0]
-            for mbs in _allowed(pins, "mbs", mbs_pool):
-                why = batch_reason(global_batch, dp, mbs)
-                if why:
-                    reject(why[0], {"tp": tp, "pp": pp, "dp": dp, "mbs": mbs}, why[1])
-                    continue
-                m = per_rank // mbs
-                for schedule, vpp in _schedules(cfg, pp, pins):
-                    base = {"tp": tp, "pp": pp, "dp": dp, "mbs": mbs, "schedule": schedule, "vpp": vpp}
-                    why = schedule_reason(schedule, pp, m, vpp) or pp_reason(cfg, pp, vpp)
-                    if why:
-                        reject(why[0], base, why[1])
-                        continue
-                    for zero in _allowed(pins, "zero", (0, 1, 2, 3) if dp * cp > 1 else (0,)):
-                        for sp in _allowed(pins, "sp", (False, True) if tp > 1 else (False,)):
-                            recomputes = _allowed(pins, "recompute", RECOMPUTE)
-                            for recompute, ep, impl in itertools.product(recomputes, ep_pool, impls):
-                                layout = Layout(
-                                    tp=tp,
-                                    pp=pp,
-                                    dp=dp,
-                                    vpp=vpp,
-                                    mbs=mbs,
-                                    schedule=schedule,
-                                    zero=zero,
-                                    sp=sp,
-                                    recompute=recompute,
-                                    ep=ep,
-                                    cp=cp,
-                                    cp_impl=impl,
-                                )
-                                considered += 1
-                                why = feature_reason(cfg, layout)
-                                if why:
-                                    reject(why[0], layout.as_dict(), why[1])
-                                    continue
-                                mem = device_memory(shape, layout, global_batch, dtype)
-                                if mem.total > usable:
-                                    reject(
-                                        "memory", layout.as_dict(), oom_sentence(mem, usable, cluster), score=-mem.total
-                                    )
-                                    continue
-                                pred = predict(shape, cluster, layout, global_batch, dtype, memory=mem)
-                                key = (pred.step_time_s, complexity(layout), mem.total)
-                                fits.append((key, considered, pred))
+def _fastest_distinct(fits: list[tuple], keep: int) -> list[Prediction]:
+    """The `keep` fastest of (sort key, order considered, prediction); variants that differ only
+    in ZeRO stage and predict the same time are listed once, at the lowest stage."""
     fits.sort(key=lambda item: item[:2])
     ranked, seen = [], set()
     for _, _, pred in fits:
-        # Variants that differ only in ZeRO stage and predict the same time: list the lowest stage.
         lay = pred.layout
         fold = (
             lay.tp,
@@ -304,7 +198,140 @@ def search(
         ranked.append(pred)
         if len(ranked) >= keep:
             break
-    return Plan(shape, cluster, global_batch, dtype, ranked, rejected, considered, time.perf_counter() - t0)
+    return ranked
+
+
+class _LayoutSpace:
+    """The layouts of a cluster's devices for one model and batch, enumerated degree by degree
+    (tp and cp, pp and dp, ep, micro-batch and schedule, then the switches). A rule that fails
+    for a degree rejects every layout under it at once, with one sentence, into `rejected`;
+    `considered` counts the complete layouts built."""
+
+    def __init__(self, cfg, cluster: Cluster, global_batch: int, pins: dict | None):
+        self.cfg, self.cluster, self.global_batch = cfg, cluster, global_batch
+        self.pins = dict(pins or {})
+        self.experts = getattr(cfg, "num_experts", 0)
+        self.rejected: dict[str, Rejected] = {}
+        self.considered = 0
+
+    def reject(self, kind: str, partial: dict, sentence: str, score: float = 0.0) -> None:
+        plain = partial.get("cp", 1) == 1  # cp keys only where cp is used, as Layout.spec writes them
+        items = [(k, v) for k, v in partial.items() if not (plain and k in ("cp", "cp_impl"))]
+        spec = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items)
+        self.rejected.setdefault(kind, Rejected(kind)).add(spec, sentence, score)
+
+    def layouts(self) -> Iterator[Layout]:
+        """Every complete layout no rule rejects, in the search's order (memory is the caller's)."""
+        pins = self.pins
+        if "ep" in pins and pins["ep"] != 1 and not self.experts:
+            sentence = f"ep={pins['ep']}: the model has no experts to place, so expert parallelism must be 1."
+            self.reject("ep", {"ep": pins["ep"]}, sentence)
+            pins["ep"] = 1
+        for tp, cp, impls in self._tp_cp_impls():
+            for pp, dp in self._pp_dp(tp, cp):
+                eps = self._eps(tp, pp, dp)
+                if not eps:
+                    continue
+                for mbs, schedule, vpp in self._batches_and_schedules(tp, pp, dp):
+                    base = {"tp": tp, "pp": pp, "dp": dp, "mbs": mbs, "schedule": schedule, "vpp": vpp, "cp": cp}
+                    yield from self._variants(base, eps, impls)
+
+    def _tp_cp_impls(self) -> Iterator[tuple[int, int, list[str]]]:
+        """(tp, cp, the context-parallel attentions the rules allow) for each tp fitting the node
+        (or the cluster) and the model's heads, and each cp the sequence allows."""
+        cfg, cluster = self.cfg, self.cluster
+        tp_pool = [t for t in _divisors(cluster.world) if t <= cfg.heads]
+        long_seq = cluster.cp_min_seq > 0 and cfg.seq_len >= cluster.cp_min_seq
+        for tp, cp in _tp_cp(self.pins, tp_pool, cluster.world, cfg.seq_len, long_seq):
+            why = tp_reason(cfg, tp, cluster.devices_per_node, cluster.allow_tp_across_nodes)
+            if why:
+                self.reject(why[0], {"tp": tp}, why[1])
+                continue
+            impls = []
+            for impl in _allowed(self.pins, "cp_impl", ("ring", "a2a") if cp > 1 else ("ring",)):
+                why = cp_reason(cfg, cp, impl, tp)
+                if why:
+                    self.reject(why[0], {"tp": tp, "cp": cp, "cp_impl": impl}, why[1])
+                else:
+                    impls.append(impl)
+            if impls:
+                yield tp, cp, impls
+
+    def _pp_dp(self, tp: int, cp: int) -> Iterator[tuple[int, int]]:
+        """(pp, dp) over what tp x cp leaves of the cluster, dp the rest unless pinned, while the
+        global batch splits over dp."""
+        world = self.cluster.world
+        rest = world // (tp * cp) if world % (tp * cp) == 0 else 0
+        if not rest:
+            what = f"tp={tp} x cp={cp} = {tp * cp}" if cp > 1 else f"tp={tp}"
+            self.reject("devices", {"tp": tp, "cp": cp}, f"{what} does not divide the cluster's {world} devices.")
+            return
+        for pp in _allowed(self.pins, "pp", [p for p in _divisors(rest) if p <= self.cfg.layers]):
+            why = pp_reason(self.cfg, pp, 1)
+            if why:
+                self.reject(why[0], {"tp": tp, "cp": cp, "pp": pp}, why[1])
+                continue
+            inner = tp * cp * pp
+            dp = self.pins.get("dp", world // inner if world % inner == 0 else 0)
+            what = f"tp={tp} x pp={pp}" + (f" x cp={cp}" if cp > 1 else "")
+            if dp < 1:
+                sentence = f"{what} = {inner} does not divide the cluster's {world} devices."
+                self.reject("devices", {"tp": tp, "cp": cp, "pp": pp}, sentence)
+                continue
+            if inner * dp > world:
+                sentence = f"{what} x dp={dp} needs {inner * dp} devices but the cluster has {world}."
+                self.reject("devices", {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, sentence)
+                continue
+            why = batch_reason(self.global_batch, dp)
+            if why:
+                self.reject(why[0], {"tp": tp, "pp": pp, "dp": dp}, why[1])
+                continue
+            yield pp, dp
+
+    def _eps(self, tp: int, pp: int, dp: int) -> list[int]:
+        """The expert-parallel degrees the rules allow: divisors of dp that divide the experts (1 when dense)."""
+        eps = []
+        pool = [e for e in _divisors(dp) if self.experts and self.experts % e == 0] or [1]
+        for ep in _allowed(self.pins, "ep", pool):
+            why = ep_reason(self.cfg, ep, dp)
+            if why:
+                self.reject(why[0], {"tp": tp, "pp": pp, "dp": dp, "ep": ep}, why[1])
+            else:
+                eps.append(ep)
+        return eps
+
+    def _batches_and_schedules(self, tp: int, pp: int, dp: int) -> Iterator[tuple[int, str, int]]:
+        """(micro-batch size, schedule, vpp) for each micro-batch size dividing a rank's share of
+        the batch and each schedule that applies to its micro-batch count."""
+        per_rank = self.global_batch // dp
+        for mbs in _allowed(self.pins, "mbs", [b for b in MBS_CHOICES if per_rank % b == 0]):
+            why = batch_reason(self.global_batch, dp, mbs)
+            if why:
+                self.reject(why[0], {"tp": tp, "pp": pp, "dp": dp, "mbs": mbs}, why[1])
+                continue
+            for schedule, vpp in _schedules(self.cfg, pp, self.pins):
+                why = schedule_reason(schedule, pp, per_rank // mbs, vpp) or pp_reason(self.cfg, pp, vpp)
+                if why:
+                    base = {"tp": tp, "pp": pp, "dp": dp, "mbs": mbs, "schedule": schedule, "vpp": vpp}
+                    self.reject(why[0], base, why[1])
+                    continue
+                yield mbs, schedule, vpp
+
+    def _variants(self, base: dict, eps: list[int], impls: list[str]) -> Iterator[Layout]:
+        """Each ZeRO stage (with dp x cp > 1), SP (with tp > 1), recompute, ep and cp attention of
+        the degrees in `base`, the feature rules applied."""
+        zeros = (0, 1, 2, 3) if base["dp"] * base["cp"] > 1 else (0,)
+        for zero in _allowed(self.pins, "zero", zeros):
+            for sp in _allowed(self.pins, "sp", (False, True) if base["tp"] > 1 else (False,)):
+                recomputes = _allowed(self.pins, "recompute", RECOMPUTE)
+                for recompute, ep, impl in itertools.product(recomputes, eps, impls):
+                    layout = Layout(**base, zero=zero, sp=sp, recompute=recompute, ep=ep, cp_impl=impl)
+                    self.considered += 1
+                    why = feature_reason(self.cfg, layout)
+                    if why:
+                        self.reject(why[0], layout.as_dict(), why[1])
+                        continue
+                    yield layout
 
 
 def _tp_cp(pins: dict, tp_pool: list[int], world: int, seq: int, long_seq: bool) -> list[tuple[int, int]]:

@@ -10,8 +10,11 @@ the attention / MLP module, the way DTensor's PrepareModuleInput works): identit
 all-reduce backward without SP; all-gather over the sequence forward and reduce-scatter
 backward with SP (tensor_parallel/region.py; with overlap the projections' dW matmuls run
 while that collective is in flight). LEAVE lives in the row-parallel linear: all-reduce, or
-reduce-scatter under SP. Under SP everything between LEAVE and the next ENTER (norms, dropout,
-residual adds) runs on seq/tp rows, so those activations shrink by tp too (Korthikanti et al. 2022).
+reduce-scatter under SP. How many collectives each block, the vocab-parallel ends and the loss
+make per micro-batch, by pass, and what full recompute repeats, is one table:
+distributed/tp_collectives.py (the planner and the volume tests read it too). Under SP
+everything between LEAVE and the next ENTER (norms, dropout, residual adds) runs on seq/tp
+rows, so those activations shrink by tp too (Korthikanti et al. 2022).
 
 `TP_PLAN` says what each module of the plain model becomes, by name pattern ('*' is one name:
 a layer index); `apply_plan` interprets any such table, so a model of another shape brings its

@@ -13,8 +13,9 @@ so the dW it returns reaches them through autograd as usual (gradient hooks, buc
 
 Under SP each projection saves only the input's sequence shard (s/tp rows) instead of the
 gathered input, and backward gathers it once more for the dW matmuls (Korthikanti et al.
-2022, sec. 4.2.2: one extra all-gather in backward instead of s rows kept per layer). With
-overlap that all-gather starts in the first projection's backward, before its dX matmul.
+2022, sec. 4.2.2: one extra all-gather in backward instead of s rows kept per layer; counted
+in distributed/tp_collectives.py). With overlap that all-gather starts in the first
+projection's backward, before its dX matmul.
 """
 
 from __future__ import annotations

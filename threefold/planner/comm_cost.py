@@ -1,0 +1,197 @@
+"""The communication of a layout's step as linear terms (planner/cost.py assembles the step):
+per category, bytes over a link, latency steps and collective calls.
+
+    tp_comm  per layer and micro-batch, the collectives distributed/tp_collectives.py counts: a
+             dense block's attention and MLP, an MoE block's attention, routed experts (the TP
+             ranks split the tokens) and shared expert; full recompute's rerun; and once per
+             micro-batch on every rank the vocab-parallel embedding and head (the loss's two
+             all-reduces of a few fp32 per token are left out). A ring all-reduce moves
+             2 (t-1)/t X over 2 (t-1) steps, an all-gather or reduce-scatter (t-1)/t X over t - 1,
+             a gather of routing counts only its steps; a fixed cost per call; (1 - tp_overlap)
+             of it exposed
+    ep_comm  per MoE block and micro-batch, 4 all-to-alls (dispatch and combine, forward and
+             backward; full recompute repeats the forward's 2) of (b s / t) top_k h, each rank
+             sending (ep-1)/ep of it, plus a latency-only exchange of counts per forward
+    pp_comm  the slowest rank's own point-to-point transfers of sbh (sbh/t under SP): an end rank
+             sends and receives 2 m (2 v - 1), a middle one 4 m v (what its pp_p2p span times)
+    dp_comm  ZeRO 0 all-reduce 2(N-1)/N P; 1 and 2 reduce-scatter + all-gather, the same volume;
+             3 reduce-scatter + an all-gather per micro-batch forward and backward; (1 - dp_overlap)
+             of it exposed. MoE: dense parameters over dp*cp, the experts (E_params / ep per
+             device) over expert_dp = tp*cp*dp / ep, the same formulas
+
+Links (order tp-cp-ep-dp-pp: a group spans the product of the degrees up to its own): TP over
+the intra-node link while tp fits in a node; CP while tp*cp does (planner/cp_cost.py); DP (over
+dp*cp replicas) while tp*cp*dp does; EP while tp*cp*ep does; PP over the inter-node link as soon
+as there is more than one node. Latency: a ring step per peer inside a node; across nodes
+NCCL's trees pay ~2 log2(N) steps instead of 2(N-1).
+"""
+
+from __future__ import annotations
+
+import math
+
+from threefold.distributed.tp_collectives import (
+    DENSE_BLOCK,
+    TP_COLLECTIVES,
+    Collectives,
+    block_collectives,
+    moe_block,
+)
+from threefold.planner.cluster import Cluster
+from threefold.planner.layout import Layout
+from threefold.planner.memory import expert_dp
+from threefold.planner.model import ModelShape
+
+Terms = dict  # parameter name -> coefficient (planner/cost.py)
+
+
+def latency_steps(n: int, link: str, ring_steps: float) -> float:
+    """Ring steps inside a node; across nodes tree algorithms pay ~2 log2(n) per collective."""
+    if link == "inter":
+        return min(ring_steps, 2 * math.ceil(math.log2(max(n, 2))))
+    return ring_steps
+
+
+def collective(into: Terms, link: str, nbytes: float, steps: float, calls: float) -> None:
+    """Add bytes over `link`, its latency steps and the calls' fixed cost to `into` (zeros left out)."""
+    for name, coef in ((f"{link}_bw_gbps", nbytes), (f"{link}_latency_us", steps), ("collective_overhead_us", calls)):
+        if coef:
+            into[name] = into.get(name, 0.0) + coef
+
+
+def tp_link(cluster: Cluster, tp: int) -> str:
+    per_node = cluster.devices_per_node
+    return "intra" if (tp <= per_node and per_node % tp == 0) or cluster.nodes == 1 else "inter"
+
+
+def dp_link(cluster: Cluster, layout: Layout) -> str:
+    return "intra" if layout.tp * layout.dp * layout.cp <= cluster.devices_per_node or cluster.nodes == 1 else "inter"
+
+
+def pp_link(cluster: Cluster) -> str:
+    return "intra" if cluster.nodes == 1 else "inter"
+
+
+def ep_group_link(cluster: Cluster, t: int, ep: int, cp: int = 1) -> str:
+    """The ep ranks are consecutive data-parallel ranks after tp and cp (order tp-cp-ep-dp-pp):
+    the group spans tp * cp * ep neighbouring ranks, inside a node while that fits one."""
+    return "intra" if t * cp * ep <= cluster.devices_per_node or cluster.nodes == 1 else "inter"
+
+
+def _activation_bytes(shape: ModelShape, layout: Layout, act: int) -> int:
+    """X: one micro-batch's activation [seq / cp, mbs, hidden] on a rank."""
+    return layout.mbs * (shape.seq_len // layout.cp) * shape.hidden * act
+
+
+def tp_comm_terms(
+    shape: ModelShape, cluster: Cluster, layout: Layout, act: int, layers: int, moe_layers: float
+) -> Terms:
+    """TP/SP collectives of one micro-batch over `layers` layers, `moe_layers` of them MoE blocks."""
+    tp, sp, full = layout.tp, layout.sp, layout.recompute == "full"
+    terms: Terms = {}
+    if tp == 1:
+        return terms
+    shared = bool(getattr(shape.cfg, "shared_expert", False))
+    dense_block = _by_cost(block_collectives(sp, DENSE_BLOCK, full))
+    moe = _by_cost(block_collectives(sp, moe_block(shared), full))
+    all_reduces, gathers, latency_only = ((layers - moe_layers) * d + moe_layers * e for d, e in zip(dense_block, moe))
+    # Both vocab-parallel ends on every rank's micro-batch; the loss's all-reduces left out.
+    ends = TP_COLLECTIVES[sp]["embedding"].both + TP_COLLECTIVES[sp]["head"].both
+    all_reduces += ends.all_reduce
+    gathers += ends.all_gather + ends.reduce_scatter
+    activation = _activation_bytes(shape, layout, act)
+    ring = (tp - 1) / tp
+    link = tp_link(cluster, tp)
+    nbytes = all_reduces * 2 * ring * activation + gathers * ring * activation
+    steps_per_call = latency_steps(tp, link, 2 * (tp - 1)), latency_steps(tp, link, tp - 1)
+    steps = all_reduces * steps_per_call[0] + (gathers + latency_only) * steps_per_call[1]
+    calls = all_reduces + gathers + latency_only
+    exposed = 1.0 - cluster.tp_overlap
+    collective(terms, link, exposed * nbytes, exposed * steps, exposed * calls)
+    return terms
+
+
+def _by_cost(counts: Collectives) -> tuple[int, int, int]:
+    """(all-reduces, all-gathers and reduce-scatters, latency-only gathers of routing counts)."""
+    return counts.all_reduce, counts.all_gather + counts.reduce_scatter, counts.counts
+
+
+def ep_comm_terms(shape: ModelShape, cluster: Cluster, layout: Layout, act: int, moe_layers: float) -> Terms:
+    """Expert-parallel all-to-alls of one micro-batch over `moe_layers` MoE blocks."""
+    terms: Terms = {}
+    if layout.ep == 1 or not moe_layers:
+        return terms
+    a2a = ep_all_to_all(shape, cluster, layout, act)
+    full = int(layout.recompute == "full")
+    all_to_alls = 4 + 2 * full
+    exchanges = all_to_alls + 1 + full  # and the counts, once per forward
+    link = ep_group_link(cluster, layout.tp, layout.ep, layout.cp)
+    collective(
+        terms,
+        link,
+        moe_layers * all_to_alls * a2a["bytes"],
+        moe_layers * exchanges * a2a["steps"],
+        moe_layers * exchanges,
+    )
+    return terms
+
+
+def ep_all_to_all(shape: ModelShape, cluster: Cluster, layout: Layout, act: int) -> dict[str, float]:
+    """One all-to-all of an MoE layer's dispatch (or combine) for one micro-batch, per rank.
+
+    A rank routes tokens / tp tokens (the TP ranks split them; cp ranks hold s / cp each), each
+    to top_k experts: V = (b s / (cp tp)) top_k h bytes. Balanced, it keeps 1/ep of V, sends the rest.
+    Inside a node that is (ep-1)/ep of V over the intra link; across nodes the share bound for
+    other nodes' ranks, (ep - local)/ep with `local` group members per node, over the inter
+    link (the in-node part moves at the same time, over the faster link)."""
+    t, ep = layout.tp, layout.ep
+    volume = layout.mbs * shape.seq_len / layout.cp / t * shape.top_k * shape.hidden * act
+    link = ep_group_link(cluster, t, ep, layout.cp)
+    local = ep if link == "intra" else max(1, min(ep, cluster.devices_per_node // (t * layout.cp)))
+    return {
+        "volume": volume,
+        "bytes": volume * (ep - local if link == "inter" else ep - 1) / ep,
+        "steps": latency_steps(ep, link, ep - 1),
+        "link": link,
+    }
+
+
+def pp_comm_terms(shape: ModelShape, cluster: Cluster, layout: Layout, microbatches: int, act: int) -> Terms:
+    """The slowest rank's own point-to-point transfers in a step: an end rank sends and receives
+    once per micro-batch and chunk boundary it owns, a middle rank (p >= 3 has one on the
+    critical path) both ways."""
+    m, v = microbatches, layout.vpp
+    terms: Terms = {}
+    if layout.pp == 1:
+        return terms
+    transfers = 4 * m * v if layout.pp >= 3 else 2 * m * (2 * v - 1)
+    activation = _activation_bytes(shape, layout, act) / (layout.tp if layout.sp else 1)
+    # Sends and receives are posted ahead and wait for no group: no rendezvous to pay.
+    collective(terms, pp_link(cluster), transfers * activation, transfers, 0)
+    return terms
+
+
+def gradient_sync_terms(
+    cluster: Cluster, layout: Layout, dense: float, expert: float, microbatches: int, act: int
+) -> Terms:
+    """One step's gradient synchronisation of a rank holding `dense` and `expert` parameters:
+    the dense ones over dp x cp replicas, the experts' over expert_dp, (1 - dp_overlap) exposed."""
+    kp, kg = act, 4  # working parameters in the run's dtype; gradients reduced in fp32 (the default)
+    link, exposed = dp_link(cluster, layout), 1.0 - cluster.dp_overlap
+    terms: Terms = {}
+    for numel, replicas in ((dense, layout.dp * layout.cp), (expert, expert_dp(layout))):
+        if replicas > 1 and numel:
+            nbytes, steps, calls = _gradient_sync(numel, replicas, layout.zero, microbatches, link, kp, kg)
+            collective(terms, link, exposed * nbytes, exposed * steps, exposed * calls)
+    return terms
+
+
+def _gradient_sync(numel: float, n: int, zero: int, m: int, link: str, kp: int, kg: int) -> tuple[float, float, float]:
+    """(bytes, latency steps, collective calls) one rank pays to synchronise `numel` parameters
+    over `n` replicas (the buckets' calls counted as one: they overlap each other)."""
+    ring = (n - 1) / n
+    if zero == 0:
+        return 2 * ring * numel * kg, latency_steps(n, link, 2 * (n - 1)), 1
+    if zero in (1, 2):
+        return ring * numel * (kg + kp), 2 * latency_steps(n, link, n - 1), 2
+    return ring * numel * (kg + 2 * m * kp), (1 + 2 * m) * latency_steps(n, link, n - 1), 1 + 2 * m
