@@ -117,6 +117,9 @@ class FaultInjector:
         first = restart_count == 0
         self.rank, self.run = rank, run
         self.faults = [f for f in faults if f.rank in (None, rank) and (f.kind == "slow" or first)]
+        self.armed = bool(self.faults)
+        """Whether any fault concerns this rank: without one a step calls nothing here (RunGuard's
+        hooks check this first)."""
         self._poison = False
 
     @classmethod

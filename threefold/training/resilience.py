@@ -1,14 +1,22 @@
-"""What the training loop does to survive failures, behind a few calls:
+"""What the training loop does to survive failures: a RunGuard per attempt, with three hook
+points the loop (training/loop.py) calls for every step, in this order (a step read one step late
+gets its two record hooks after the next step began), and one at the end:
 
     guard = RunGuard(cfg, grid, chunks, state, start_step, log, scaler)
-    guard.step_begins(step)                        # injected kill / hang / NaN
-    compute_s = guard.compute_time(step, pipe)     # injected slowness; straggler input
-    norm = guard.agree(norm, loss_sum, compute_s, engine, worst)  # one MAX all-reduce: skip NaN globally
-    worst = guard.settle(host_values)              # after the step's host read (of guard.take_pending())
-    guard.end_step(step, record, span, report)     # stragglers (report steps), counters, checkpoint, goodput
-    guard.check_rollback(step, metrics)            # K non-finite steps in a row: roll back
-    guard.close()
+    guard.before_step(step)                  # as the step begins: the fault drills (kill, hang, NaN)
+    guard.after_step(step, record, span, report, late)  # its record: stragglers, counters, save, goodput
+    guard.after_record(step, metrics)        # once the record is written: roll back when it is due
+    guard.close()                            # at the end: the save in flight, goodput.json
 
+Inside the step (Trainer.queue_step and read_step) its agreement: one MAX all-reduce that makes
+every rank skip a NaN step and stop after the same step, and the host's side once it is read:
+
+    compute_s = guard.compute_time(step, pipe)     # a slow drill; the straggler check's input
+    norm = guard.agree(norm, loss_sum, compute_s, engine, worst, stop)
+    worst = guard.settle(host_values)              # after the step's host read (of guard.take_pending())
+
+Between before_step and after_step the loop asks whether a step saves (save_due) or the run stops after it
+(stopping): such a step is read at once. A fault drill costs a step nothing when none is set.
 See faults.py, health.py, checkpoint/writer.py and observe/goodput.py.
 """
 
@@ -90,12 +98,17 @@ class RunGuard:
                 group=grid.world,
             )
 
-    def step_begins(self, step: int) -> None:
-        self.faults.step_begins(step, on_fault=lambda f: record_fault(self.cfg.log.dir, self.rank, f.kind, step))
+    def before_step(self, step: int) -> None:
+        """Hook point: step `step` begins. The fault drills due now kill or hang this rank, or arm
+        the NaN hook; faults.jsonl records the time first (goodput's failure)."""
+        if self.faults.armed:
+            self.faults.step_begins(step, on_fault=lambda f: record_fault(self.cfg.log.dir, self.rank, f.kind, step))
 
     def compute_time(self, step: int, pipe) -> float:
-        """This rank's compute seconds in the schedule (waits for other stages excluded)."""
-        return self.faults.slow(step, sum(pipe.compute_s.values()))
+        """This rank's compute seconds in the schedule (waits for other stages excluded), stretched
+        by a slow drill."""
+        compute_s = sum(pipe.compute_s.values())
+        return self.faults.slow(step, compute_s) if self.faults.armed else compute_s
 
     def agree(
         self,
@@ -123,17 +136,18 @@ class RunGuard:
         return self.health.settle(values)
 
     def save_due(self, step: int) -> bool:
-        """Whether end_step(step) saves a checkpoint: every checkpoint.interval steps, the last,
+        """Whether after_step(step) saves a checkpoint: every checkpoint.interval steps, the last,
         and the one a signal stops after."""
         c, t = self.cfg.checkpoint, self.cfg.train
         due = (c.interval and (step + 1) % c.interval == 0) or step + 1 == t.steps or self.stopping
         return self.ckpt is not None and bool(due)
 
-    def end_step(self, step: int, record: dict, span=None, report: bool = True, late: bool = False) -> None:
-        """Add health counters, save a checkpoint when one is due (its blocking time) and the
-        goodput fields to this step's metrics record. `span("checkpoint")` times the save. On a
-        `report` step rank 0 gets every rank's compute times and names stragglers (collective).
-        A `late` step (read after the next one was queued) never saves: the state is past it."""
+    def after_step(self, step: int, record: dict, span=None, report: bool = True, late: bool = False) -> None:
+        """Hook point: step `step` was read and its metrics `record` is being made. Add health
+        counters, save a checkpoint when one is due (its blocking time) and the goodput fields;
+        `span("checkpoint")` times the save. On a `report` step rank 0 gets every rank's compute
+        times and names stragglers (collective). A `late` step (read after the next one was
+        queued) never saves: the state is past it."""
         if report:
             self.health.report()
         record.update(self.health.record(step, not record["step_skipped"]))
@@ -156,8 +170,10 @@ class RunGuard:
                 record["ckpt_block_s"] = time.perf_counter() - t0
         record.update(self.goodput.update(record))
 
-    def check_rollback(self, step: int, metrics) -> None:
-        """Raise NonFiniteRollback (after finishing the save in flight) when it is due."""
+    def after_record(self, step: int, metrics) -> None:
+        """Hook point: step `step`'s record is written (and the callbacks have seen it). After
+        train.nan_rollback_after non-finite steps in a row, finish the save in flight, close
+        `metrics` and raise NonFiniteRollback: the loop reloads a checkpoint."""
         if self.health.rollback_due:
             self.close()
             metrics.close()

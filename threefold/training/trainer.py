@@ -2,7 +2,7 @@
 
     trainer = Trainer(cfg, grid, device)   # stage, engine, data, resume, records, guard, spans
     result = trainer.train_step(step)      # one optimizer step -> observe.step.StepResult
-    last = trainer.train()                 # the loop: steps, evaluation, checkpoints, rollback
+    last = trainer.train()                 # the loop (training/loop.py): steps, evaluation, checkpoints, rollback
 
 A step is a short list of phases, each timed as its span category when log.spans is on:
 
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from threefold.checkpoint import choose, load_into, training_state
+from threefold.checkpoint.manifest import step_dir_name
 from threefold.config import Config
 from threefold.data import GlobalBatchSampler, load_tokens
 from threefold.data.split import training_part
@@ -103,7 +104,7 @@ class ScheduleFigures:
         return cls(pipe.compute_s, pipe.recv_wait_s, pipe.idle_fraction)
 
 
-class Trainer(TrainingLoop):
+class Trainer:
     def __init__(
         self,
         cfg: Config,
@@ -181,7 +182,6 @@ class Trainer(TrainingLoop):
             )
         self.status = StatusLine(t.steps, cfg.log.interval, enabled=self.is_logger and not cfg.log.quiet)
         self.heldout = HeldOutEval(cfg) if t.eval_every else None
-        self._last_failure: int | None = None
         self._schedule_read: ScheduleFigures | None = None  # those of the newest step read
         # On CUDA a step's scalars are read after the next step is queued (1); on CPU there is
         # nothing to overlap with the host, so each step is read at once (0).
@@ -227,6 +227,18 @@ class Trainer(TrainingLoop):
             self.log(f"threefold: resumed from {directory} at step {manifest.step}")
         return manifest.step
 
+    def reload(self, at_most: int) -> bool:
+        """A rollback: the newest checkpoint of checkpoint.dir saved no later than step `at_most`
+        (rank 0's choice, on every rank), and the records of a new attempt from its step; False
+        when none is there or verifies."""
+        c = self.cfg.checkpoint
+        found = choose(self.state, self.grid.world, root=c.dir, warn=self.log, at_most=at_most)
+        if found is None:
+            return False
+        self.start_step = self.load(*found)
+        self._open_records(faults=self.guard.faults)
+        return True
+
     def _open_records(self, faults=None) -> None:
         """metrics.jsonl (appended to when the run continues) and the guard of this attempt."""
         cfg, log = self.cfg, self.log
@@ -244,6 +256,22 @@ class Trainer(TrainingLoop):
             faults=faults,
             on_saved=self.callbacks.checkpoint,
         )
+
+    # --- the run ------------------------------------------------------------------------------
+    def train(self) -> dict:
+        """Steps start_step .. train.steps (training/loop.py); returns the last step's metrics
+        record, or with a memory probe every rank's memory rows on rank 0."""
+        last = TrainingLoop(self).run()
+        if self.probe:
+            return self.probe.gather(self.cfg, self.grid, self.chunks, self.dtype)
+        c = self.cfg.checkpoint
+        saved = Path(c.dir) / step_dir_name(last["step"]) if c.dir and last else None
+        builtin = ":" not in self.cfg.model.arch  # threefold generate serves the built-in architectures
+        if self.is_logger and saved is not None and saved.is_dir() and builtin:
+            self.log(
+                f"threefold: saved {saved}; sample from it: threefold generate --checkpoint {saved} --prompt 'def '"
+            )
+        return last
 
     # --- one step -----------------------------------------------------------------------------
     def batches(self, step: int) -> list:
