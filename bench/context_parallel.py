@@ -10,7 +10,7 @@
     hits them alike; the idle ranks wait in a barrier). Per configuration: the slowest member's
     seconds, their ratio to cp 1 in the same round (bench/stats.py paired_ratio, median with a
     95% bootstrap interval), the peak tensor bytes allocated during one forward+backward on
-    rank 0 (train/memory_probe.AllocationPeak: torch's CPU allocator reports to the profiler;
+    rank 0 (training/memory_probe.AllocationPeak: torch's CPU allocator reports to the profiler;
     transients included) and the bytes autograd saved for backward (q, k, v, output, lse), the
     bytes rank 0 handed to the cp group against analytic_bytes, and the ring's hidden fraction
     (measure_overlap).

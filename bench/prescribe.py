@@ -3,7 +3,7 @@
 For each knob pathology of issue #20 (too few micro-batches for pp 4, gradient buckets far too
 small or too large, data.prefetch 0 with a slowed source, full recompute where memory allows
 none) this trains the pathological config once with spans on, asks the report's diagnosis
-(observe.prescribe with the planner) for its prescription for the cost the pathology creates
+(analysis.prescribe with the planner) for its prescription for the cost the pathology creates
 (COST: usually its first one; the table gives its place in the list), then measures tokens/s of
 the config before and after the knob change: `--rounds` rounds of one short run each way in
 the same process group (order alternating between rounds), each run's median tokens/s over its

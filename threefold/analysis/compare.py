@@ -129,8 +129,8 @@ def noise_lines(run_a, run_b, category: str | None) -> tuple[list[str], dict]:
 
 
 def compare(a: dict, b: dict, config_a: dict, config_b: dict, run_a=None, run_b=None) -> tuple[str, dict]:
-    """Text comparing two summaries (observe.summary.summarize), and the figures it names; with
-    the runs (observe.rundir.Run), intervals that tell a real change from run-to-run noise."""
+    """Text comparing two summaries (analysis.summary.summarize), and the figures it names; with
+    the runs (analysis.rundir.Run), intervals that tell a real change from run-to-run noise."""
     lines = [f"A: {a['name']}  {a['layout']}", f"B: {b['name']}  {b['layout']}", ""]
     lines.append(f"{'':<22}{'A':>14}{'B':>14}{'change':>12}")
 

@@ -158,7 +158,7 @@ def straggler(ranks: dict[int, dict], wall: float) -> Finding | None:
 
 def diagnose(summary: dict, config: dict, predictor: Predictor | None = None) -> list[Finding]:
     """The costs on the critical rank's path with the knobs that relieve them, biggest first.
-    `summary` is observe.summary.summarize's; without per-rank spans the mean over ranks stands in."""
+    `summary` is analysis.summary.summarize's; without per-rank spans the mean over ranks stands in."""
     ranks = summary.get("per_rank") or {}
     if ranks:
         r = critical_rank(ranks)

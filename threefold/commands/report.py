@@ -23,7 +23,7 @@ USAGE = """threefold report RUN_DIR [--out DIR] [--no-plots] [--write-bands FILE
 
 
 def prescriptions(run, summary: dict, cluster_pairs: list) -> str:
-    """The prescription text of one run (observe.prescribe), with the planner's predictions."""
+    """The prescription text of one run (analysis.prescribe), with the planner's predictions."""
     from threefold.analysis.prescribe import critical_rank, diagnose, format_prescriptions
     from threefold.planner.predict import RunPredictor
 

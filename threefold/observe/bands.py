@@ -11,7 +11,7 @@ expected share of the critical rank's step and the half-width of its band:
 is the expectation): per category the mean share over its report lines, +- max(BAND_FLOOR,
 BAND_SIGMAS standard deviations). `threefold train --log.bands FILE` then checks, on every report
 step (every log.interval steps, where rank 0 already holds every rank's spans), the shares of the
-critical rank (the most own work, observe.prescribe) against the bands, and names each category
+critical rank (the most own work, analysis.prescribe) against the bands, and names each category
 that has been outside its band for PERSIST report lines in a row (a busy host makes single lines
 jump: measured, one line in six of a clean run) with the first report step it left it:
 "dp_exposed 18% of the step vs expected 4+-3% since step 300: DP link slower than calibrated?".
@@ -97,7 +97,7 @@ def critical_shares(ranks: list[dict]) -> dict[str, float]:
 
 
 def bands_from_run(run) -> dict[str, Band]:
-    """Bands from a run directory's spans (observe.rundir.Run), its steady report lines."""
+    """Bands from a run directory's spans (analysis.rundir.Run), its steady report lines."""
     rows = [critical_shares(line["ranks"]) for line in run.steady(run.spans) if line.get("ranks")]
     rows = [r for r in rows if r]
     if not rows:

@@ -55,7 +55,7 @@ def split_layers(layers: int, p: int, v: int, layer_cost: float, head_cost: floa
 
 @dataclass
 class ModelShape:
-    """Per-layer and per-model numbers of one model config (duck-typed like observe.flops)."""
+    """Per-layer and per-model numbers of one model config (duck-typed like model.flops)."""
 
     cfg: object
     seq_len: int
@@ -127,7 +127,7 @@ def _split_cached(layers: int, p: int, v: int, c: float, h: float) -> StageSplit
 
 
 def model_shape(cfg: ModelConfig, causal: bool = True) -> ModelShape:
-    """Measure `cfg` through observe.flops. `causal=False` counts full attention (Megatron's formula)."""
+    """Measure `cfg` through model.flops. `causal=False` counts full attention (Megatron's formula)."""
     s = cfg.seq_len
     empty = dataclasses.replace(cfg, layers=0) if dataclasses.is_dataclass(cfg) else _replace(cfg, layers=0)
     n_layers = cfg.layers
