@@ -107,12 +107,14 @@ def train_step_times(args: list[str], steps: int, warmup: int) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])][warmup:]
 
 
-def on_off_rounds(args: list[str], key: str, rounds: int, steps: int, warmup: int) -> Blocks:
-    """`rounds` pairs of `threefold train` runs with `key` true and false, the order alternating
-    between rounds to cancel machine drift: {"on": [...], "off": [...]} per round."""
+def on_off_rounds(
+    args: list[str], key: str, rounds: int, steps: int, warmup: int, values: tuple[str, str] = ("false", "true")
+) -> Blocks:
+    """`rounds` pairs of `threefold train` runs with `key` set to values' off and on, the order
+    alternating between rounds to cancel machine drift: {"on": [...], "off": [...]} per round."""
     blocks: Blocks = {"off": [], "on": []}
     for r in range(rounds):
         for on in (False, True) if r % 2 == 0 else (True, False):
-            value = "true" if on else "false"
+            value = values[1] if on else values[0]
             blocks["on" if on else "off"].append(train_step_times([*args, f"--{key}", value], steps, warmup))
     return blocks

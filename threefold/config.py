@@ -225,7 +225,13 @@ class LogConfig:
         "Time every rank's step by category (compute, TP/PP/DP comm, bubble, ...): "
         "time_s in metrics.jsonl, per-rank spans.jsonl (on by default: bench/spans_overhead.py)",
     )
-    trace_steps: str = knob("", "Steps written to trace.json (Perfetto), e.g. '5,6'; needs log.spans")
+    trace_steps: str = knob(
+        "auto",
+        "Steps written to trace.json (Perfetto), e.g. '5,6', or '' for none; needs log.spans. 'auto': "
+        "with spans on, the last report step before the last (the last, in a run of log.interval steps "
+        "or fewer) in a job of at most 64 ranks: late, reporting anyway, clear of the final save; the first "
+        "report has its timeline",
+    )
     bands: str = knob(
         "",
         "TOML [bands] of expected step shares per category (threefold report --write-bands): named when "

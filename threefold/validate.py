@@ -342,17 +342,25 @@ def _validate_eval(cfg: Config) -> None:
 
 
 def validate_log(cfg: Config) -> None:
-    """Trace steps parse and need spans; TensorBoard output needs the package."""
+    """'auto' trace steps become one late step; trace steps parse and need spans; TensorBoard
+    output needs the package."""
     import importlib.util
 
-    from threefold.observe.observer import parse_trace_steps
+    from threefold.observe.observer import TRACE_AUTO, TRACE_AUTO_MAX_WORLD, auto_trace_step, parse_trace_steps
 
-    log = cfg.log
+    log, p = cfg.log, cfg.parallel
+    if log.trace_steps.strip() == TRACE_AUTO:
+        # The default names no number: it becomes one here, where train.steps is known, so the
+        # workers' observer reads a plain step; without spans there is nothing to trace (no error).
+        small = p.tp * p.cp * p.dp * p.pp <= TRACE_AUTO_MAX_WORLD
+        log.trace_steps = str(auto_trace_step(cfg.train.steps, log.interval)) if log.spans and small else ""
     try:
         steps = parse_trace_steps(log.trace_steps)
     except ValueError:
         raise ConfigError(
-            "log.trace_steps", f"{log.trace_steps!r} is not a list of step numbers", "e.g. '5,6' (steps count from 1)"
+            "log.trace_steps",
+            f"{log.trace_steps!r} is not a list of step numbers",
+            "e.g. '5,6' (steps count from 1), 'auto', or '' for none",
         ) from None
     if steps and not log.spans:
         raise ConfigError("log.trace_steps", "needs log.spans true", "set --log.spans true")

@@ -130,6 +130,7 @@ for tp, pp, dp, rank in cases:
         "train.global_batch": dp, "train.micro_batch": 1, "train.steps": 4, "train.straggler_steps": 2,
         "train.nan_rollback_after": 0,  # received tensors hold whatever memory held: NaN, at times
         "log.interval": 2, "log.spans": "true", "log.dir": f"{root}/{world}_{rank}", "log.quiet": "true",
+        "log.trace_steps": "",  # a traced step gathers every rank's spans once: not the per-step cost measured here
         "data.cache_dir": cache, "data.prefetch": 0, "checkpoint.dir": "",
     }
     cfg = validate(build_config(None, [(k, str(v)) for k, v in pairs.items()]), world)

@@ -62,8 +62,32 @@ class _Phase:
         return False
 
 
+TRACE_AUTO = "auto"
+"""log.trace_steps' default: one late step, auto_trace_step(train.steps, log.interval), in a job
+of at most TRACE_AUTO_MAX_WORLD ranks."""
+TRACE_AUTO_MAX_WORLD = 64
+"""A trace gathers every rank's spans to rank 0 into one trace.json: at a few nodes that is a
+timeline to read; at thousands of ranks it is a large gather and file nobody asked for, so there
+tracing is opt-in (log.trace_steps with step numbers)."""
+
+
+def auto_trace_step(steps: int, interval: int) -> int:
+    """The step log.trace_steps 'auto' traces: the last report step (a multiple of log.interval)
+    before the last step, or the last step when there is none (a run of log.interval steps or
+    fewer). Late, past start-up and warm-up; already a report step, so the report windows stay as
+    they are (a traced step reports, and any other step would split a window); and not the last
+    step, which holds the final save and evaluation (a save of minutes would flatten the
+    timeline to a sliver) whenever the run is long enough to have another."""
+    before_last = (steps - 1) // interval * interval
+    return before_last if before_last >= 1 else steps
+
+
 def parse_trace_steps(text: str) -> set[int]:
-    """'5,6' -> {5, 6}; raises ValueError on anything else (validate.py turns it into one line)."""
+    """'5,6' -> {5, 6}; raises ValueError on anything else (validate.py turns it into one line).
+    'auto' -> none here: validate.py replaces it with auto_trace_step(...), so only an unvalidated
+    config, whose last step this cannot know, reaches this with it."""
+    if text.strip() == TRACE_AUTO:
+        return set()
     out = set()
     for part in text.replace(" ", "").split(","):
         if not part:

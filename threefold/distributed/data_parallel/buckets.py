@@ -271,13 +271,17 @@ class GradBuckets:
         if self.group.size == 1:
             return 0.0
         times = []
-        scratch = [torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device) for b in self.layout.buckets]
-        outs = [torch.empty(b.shard_numel, dtype=self.grad_dtype, device=self.device) for b in self.layout.buckets]
+        # One bucket-sized scratch pair, sliced per bucket: the same collectives of the same sizes
+        # without holding a second copy of the whole gradient (ZeRO-2/3 keep only a shard of it).
+        buckets = self.layout.buckets
+        full_scratch = torch.zeros(max(b.numel for b in buckets), dtype=self.grad_dtype, device=self.device)
+        out_scratch = torch.empty(max(b.shard_numel for b in buckets), dtype=self.grad_dtype, device=self.device)
         with comm.unrecorded(self.group):  # a measurement, not the step's traffic
             for _ in range(repeats):
                 comm.barrier(self.group)
                 t0 = time.perf_counter()
-                for full, out in zip(scratch, outs):
+                for bucket in buckets:
+                    full, out = full_scratch[: bucket.numel], out_scratch[: bucket.shard_numel]
                     if self.sharded:
                         comm.reduce_scatter_into(out, full, self.group)
                     else:
