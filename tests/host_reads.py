@@ -111,4 +111,3 @@ class FakeCudaEvent:
 
     def elapsed_time(self, end) -> float:
         return (end.at - self.at) * 1e3
-

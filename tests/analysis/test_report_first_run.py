@@ -63,4 +63,3 @@ def test_auto_traces_nothing_past_a_few_nodes():
     assert validate(build_config(None, [*at, ("parallel.dp", "0")]), world_size=128).log.trace_steps == ""
     explicit = [*at, ("parallel.dp", "0"), ("log.trace_steps", "5")]
     assert validate(build_config(None, explicit), world_size=128).log.trace_steps == "5"
-
