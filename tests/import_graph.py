@@ -29,6 +29,7 @@ FLOORS: dict[str, int] = {
     "interop": 4,
     "inference": 4,
     "validate": 4,
+    "preflight": 4,
     # 5: the training loop
     "training": 5,
     # 6: the library API

@@ -25,89 +25,17 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
 
 from threefold.config import TrainConfig
-from threefold.errors import ConfigError
-
-ENV = "THREEFOLD_FAULT"
-KINDS = {
-    "kill": ({"rank", "step"}, set()),
-    "killnode": ({"rank", "step"}, set()),
-    "hang": ({"rank", "step"}, set()),
-    "slow": ({"rank", "factor"}, {"step"}),
-    "nan": ({"step"}, {"rank", "count"}),
-    "corrupt": ({"step"}, {"file"}),
-}
-VALID = "e.g. kill:rank=1:step=5, hang:rank=0:step=3, slow:rank=1:factor=3, nan:step=4:count=2, corrupt:step=4"
-
+from threefold.distributed.drills import ENV, KINDS, VALID, Fault, check, parse, spec_of  # noqa: F401 - the drill spec
 
 # (run, fault, step) already fired in this process. A rollback rebuilds the training state
 # (and its injector) in the same process; a fault must not fire again on the replayed steps.
 # Keyed by the run (its log directory) so that another run in the same process starts afresh.
 _FIRED: set[tuple] = set()
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    rank: int | None = None
-    step: int = 0
-    factor: float = 1.0
-    count: int = 1
-    file: str = "rank00000.pt"
-
-
-def parse(spec: str, key: str = ENV) -> list[Fault]:
-    """Faults of a spec string; a malformed one is a ConfigError naming `key`."""
-    faults = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        kind, *pairs = item.split(":")
-        if kind not in KINDS:
-            raise ConfigError(key, f"unknown fault kind {kind!r} in {item!r}", "kinds: " + ", ".join(KINDS))
-        values: dict = {}
-        for pair in pairs:
-            name, sep, raw = pair.partition("=")
-            required, optional = KINDS[kind]
-            if not sep or name not in required | optional:
-                raise ConfigError(
-                    key,
-                    f"{pair!r} in {item!r} is not a key=value of {kind}",
-                    "keys: " + ", ".join(sorted(required | optional)),
-                )
-            try:
-                values[name] = raw if name == "file" else (float(raw) if name == "factor" else int(raw))
-            except ValueError:
-                raise ConfigError(key, f"{name}={raw!r} in {item!r} is not a number", VALID) from None
-            if name != "file" and values[name] < (1 if name in ("factor", "count") else 0):
-                raise ConfigError(key, f"{name}={raw} in {item!r} is out of range", VALID)
-        missing = KINDS[kind][0] - set(values)
-        if missing:
-            raise ConfigError(key, f"{item!r} needs {', '.join(sorted(missing))}", VALID)
-        faults.append(Fault(kind, **values))
-    return faults
-
-
-def spec_of(train: TrainConfig) -> tuple[str, str]:
-    """(spec, where it came from): the environment overrides train.faults."""
-    env = os.environ.get(ENV, "")
-    return (env, ENV) if env else (train.faults, "train.faults")
-
-
-def check(train: TrainConfig, world_size: int, restart_count: int = 0) -> None:
-    """Refuse a malformed spec, or a rank outside the world, before any worker starts. After a
-    restart the world may have shrunk (a node left): a fault for a rank now gone is moot."""
-    spec, key = spec_of(train)
-    for f in parse(spec, key):
-        if f.rank is not None and f.rank >= world_size and restart_count == 0:
-            raise ConfigError(
-                key,
-                f"{f.kind} names rank {f.rank} but the world has {world_size} ranks",
-                f"valid: 0 to {world_size - 1}",
-            )
 
 
 class FaultInjector:
@@ -116,7 +44,10 @@ class FaultInjector:
     def __init__(self, faults: list[Fault], rank: int, restart_count: int, run: str = ""):
         first = restart_count == 0
         self.rank, self.run = rank, run
-        self.faults = [f for f in faults if f.rank in (None, rank) and (f.kind == "slow" or first)]
+        # Only the kinds that act on a training step (slowlink acts in the comm layer, stack on
+        # the fingerprint: threefold/distributed/drills.py); slow ones on every attempt.
+        acting = [f for f in faults if f.kind not in ("slowlink", "stack") and f.rank in (None, rank)]
+        self.faults = [f for f in acting if f.kind in ("slow", "slowdevice") or first]
         self.armed = bool(self.faults)
         """Whether any fault concerns this rank: without one a step calls nothing here (RunGuard's
         hooks check this first)."""
@@ -165,7 +96,7 @@ class FaultInjector:
         """Stretch this step's compute by the slow factor (sleeping); returns the compute time
         the rank now took. Sleeping before the gradient reduction delays the peers too."""
         for f in self.faults:
-            if f.kind == "slow" and step >= f.step:
+            if f.kind in ("slow", "slowdevice") and step >= f.step:
                 time.sleep(compute_s * (f.factor - 1.0))
                 return compute_s * f.factor
         return compute_s
