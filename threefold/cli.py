@@ -14,7 +14,8 @@ threefold data prepare --out DIR [--data.path CORPUS] [--json-key text] [--worke
                        [--tokenizer FILE | --vocab N] [--max-bad N]
 threefold checkpoint {info,export,import-hf,export-hf} ...
 threefold plan ...
-threefold tune --nproc N [--space KEY=V1,V2 ...] [--trials N] [--minutes M] [--out DIR]"""
+threefold tune --nproc N [--space KEY=V1,V2 ...] [--trials N] [--minutes M] [--out DIR]
+threefold doctor [--parallel.* ...] [--nproc N] [--json]"""
 
 
 def _lazy(target: str):
@@ -40,6 +41,7 @@ COMMANDS = {
     "eval": _lazy("threefold.commands.eval:eval_command"),
     "generate": _lazy("threefold.commands.generate:generate_command"),
     "report": _lazy("threefold.commands.report:report_command"),
+    "doctor": _lazy("threefold.commands.doctor:doctor_command"),
 }
 
 

@@ -161,6 +161,15 @@ class TrainConfig:
     )
     straggler_steps: int = knob(5, "Name a rank whose compute stays above 1.5x the median this many steps (0 = off)")
     faults: str = knob("", "Fault injection for drills, e.g. 'kill:rank=1:step=5' ($THREEFOLD_FAULT overrides)")
+    preflight: str = knob(
+        "auto",
+        "Before step 1: the node and link probes (threefold doctor); auto = when the world spans more than one "
+        "node (the stack fingerprint is always compared)",
+        ("auto", "on", "off"),
+    )
+    allow_stack_mismatch: bool = knob(
+        False, "Train on although ranks differ in torch, NCCL as loaded, CUDA, device model or threefold's source"
+    )
     eval_every: int = knob(0, "Validation loss on the held-out tokens every N steps (0 = off; needs data.val_fraction)")
     eval_sequences: int = knob(64, "Held-out sequences one evaluation reads (0 = every held-out window)")
 

@@ -240,6 +240,8 @@ def validate_train(cfg: Config) -> None:
     _positive("train.preempt_grace_s", t.preempt_grace_s)
     _positive("train.nan_rollback_after", t.nan_rollback_after, allow_zero=True)
     _positive("train.straggler_steps", t.straggler_steps, allow_zero=True)
+    if t.preflight not in ("auto", "on", "off"):
+        raise ConfigError("train.preflight", f"{t.preflight!r} is not allowed", "valid: auto, on, off")
     _positive("train.recompute_layers", t.recompute_layers, allow_zero=True)
     if t.dtype == "fp16" and t.loss_scale == "none":
         raise ConfigError(

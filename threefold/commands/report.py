@@ -54,6 +54,24 @@ def _write_bands(run, path: str) -> str:
     return f"wrote bands of {len(bands)} categories to {path}: threefold train --log.bands {path}"
 
 
+def preflight_text(run_dir: Path) -> str | None:
+    """What the run's preflight (<log.dir>/preflight.json, threefold/preflight/run.py) found, or
+    None for a run without one (older runs, or one that failed before it)."""
+    import json
+
+    path = Path(run_dir) / "preflight.json"
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        return f"preflight: {path} is unreadable ({err})"
+    checked = "stack, node and link" if doc.get("node") is not None else "the stack; probes off (train.preflight)"
+    found = f"{len(doc['lines'])} finding(s)" if doc.get("lines") else "nothing named"
+    head = f"preflight of {checked}: {found}"
+    return "\n".join([head, *(f"  {line}" for line in doc.get("lines", []))])
+
+
 def report_command(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="threefold report", usage=USAGE)
     ap.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's log.dir (one, or two to compare)")
@@ -78,6 +96,9 @@ def report_command(argv: list[str]) -> int:
 
     run, summary = runs[0], summaries[0]
     text = format_summary(summary)
+    preflight = preflight_text(run.path)
+    if preflight:
+        text += "\n" + preflight
     if summary["breakdown"]:
         text += "\n" + prescriptions(run, summary, cluster_pairs)
     if args.write_bands:

@@ -102,6 +102,10 @@ class Group:
     batch_send_recv posts, so the same traffic can be timed alone (context_parallel.overlap)."""
     deadlines: Deadlines | None = field(default=None, compare=False, repr=False)
     """A training run's two timeouts for this group (None: it keeps the one it was made with)."""
+    link_delays: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
+    """The slowlink drill (Grid.build's link_delays): seconds this rank waits before exchanging
+    with each peer (a global rank) of this group: before a send to or receive from that peer,
+    and before every collective of the group (the longest). Empty (no cost) unless drilled."""
 
     @property
     def size(self) -> int:
@@ -140,10 +144,22 @@ def _timed(group: Group):
     return _UNTIMED if group.spans is None else group.spans.span(group.span_category)
 
 
+def _link_wait(group: Group, peers=None) -> None:
+    """The slowlink drill: wait as a slow link would, before an exchange with `peers` (global
+    ranks; None: a collective, which crosses every link of the group)."""
+    delays = group.link_delays
+    waits = delays.values() if peers is None else [delays.get(p, 0.0) for p in peers]
+    seconds = max(waits, default=0.0)
+    if seconds > 0:
+        time.sleep(seconds)
+
+
 def _run(group: Group, kind: str, size: int, fn, async_op: bool):
     """Record, time and issue one collective; a group of one only returns."""
     if group.size == 1:
         return None
+    if group.link_delays:
+        _link_wait(group)
     group.stats.record(kind, size)
     with _timed(group):
         return fn(async_op)
@@ -327,6 +343,8 @@ def batch_send_recv(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> P
         if kind == "send":
             group.stats.record("send", nbytes(tensor))
         p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, group.ranks[peer], group=group.pg))
+    if group.link_delays:
+        _link_wait(group, [group.ranks[peer] for _, _, peer in ops])
     posted = Posted(dist.batch_isend_irecv(p2p) if p2p else [])
     posted.entry = entry
     return posted
@@ -348,12 +366,16 @@ def send(x: torch.Tensor, group: Group, peer: int) -> None:
     """Blocking send to the group's rank `peer` (an index in the group)."""
     _check(x, group, "send")
     group.stats.record("send", nbytes(x))
+    if group.link_delays:
+        _link_wait(group, [group.ranks[peer]])
     dist.send(x, dst=group.ranks[peer], group=group.pg)
 
 
 def recv(x: torch.Tensor, group: Group, peer: int) -> torch.Tensor:
     """Blocking receive into `x` from the group's rank `peer`."""
     _check(x, group, "recv")
+    if group.link_delays:
+        _link_wait(group, [group.ranks[peer]])
     dist.recv(x, src=group.ranks[peer], group=group.pg)
     return x
 
@@ -478,3 +500,35 @@ def join_local(rank: int = 0, world: int = 1) -> None:
     """A gloo group on an in-memory store, for one process (tests, tools)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=rank, world_size=world)
+
+
+# --- bytes point to point (rare: one rank's detail that only some ranks send) ------------------
+
+
+def send_bytes(data: bytes, group: Group, peer: int) -> None:
+    """Blocking send of `data` to the group's rank `peer`: its length, then its bytes, as tensors
+    where the group communicates. The peer calls recv_bytes, which needs no size agreed ahead."""
+    device = group.device or torch.device("cpu")
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else None
+    group.stats.record("send_bytes", nbytes(size) + len(data))
+    if group.link_delays:
+        _link_wait(group, [group.ranks[peer]])
+    dist.send(size, dst=group.ranks[peer], group=group.pg)
+    if payload is not None:
+        dist.send(payload, dst=group.ranks[peer], group=group.pg)
+
+
+def recv_bytes(group: Group, peer: int) -> bytes:
+    """What the group's rank `peer` sends with send_bytes."""
+    device = group.device or torch.device("cpu")
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    if group.link_delays:
+        _link_wait(group, [group.ranks[peer]])
+    dist.recv(size, src=group.ranks[peer], group=group.pg)
+    length = int(size.item())
+    if length == 0:
+        return b""
+    payload = torch.empty(length, dtype=torch.uint8, device=device)
+    dist.recv(payload, src=group.ranks[peer], group=group.pg)
+    return payload.cpu().numpy().tobytes()

@@ -185,6 +185,23 @@ def _communicators(layout: RankLayout, rank: int, world: int, timeout: timedelta
     return made
 
 
+def slowlink_delays(faults) -> tuple[tuple[int, int, float], ...]:
+    """Grid.build's `link_delays` from parsed drills (distributed/drills.py): (a, b, seconds)
+    of each slowlink fault."""
+    return tuple((f.ranks[0], f.ranks[1], f.ms / 1000.0) for f in faults if f.kind == "slowlink")
+
+
+def _delays_in(ranks: list[int], rank: int, link_delays) -> dict[int, float]:
+    """{peer: seconds} for this rank in a group of `ranks`: the delayed links between this rank
+    and another member (a group holding one end only does not cross the link)."""
+    members, out = set(ranks), {}
+    for a, b, seconds in link_delays:
+        if rank in (a, b) and a in members and b in members and seconds > 0:
+            peer = b if rank == a else a
+            out[peer] = out.get(peer, 0.0) + seconds
+    return out
+
+
 class Grid:
     """This rank's coordinates and process groups. Build once after init_process_group."""
 
@@ -214,11 +231,19 @@ class Grid:
         return cls(layout, rank, every)
 
     @classmethod
-    def build(cls, layout: RankLayout, timeout: timedelta | None = None, device: torch.device | str = "cpu") -> Grid:
+    def build(
+        cls,
+        layout: RankLayout,
+        timeout: timedelta | None = None,
+        device: torch.device | str = "cpu",
+        link_delays: tuple[tuple[int, int, float], ...] = (),
+    ) -> Grid:
         """Create every group (all ranks must call this, in the same order). `timeout` bounds
         each collective on the sub-groups (torch would give them its own default, not the
         world group's): a hung peer becomes an error instead of a wait of half an hour.
-        `device`: where the groups communicate (the run's device)."""
+        `device`: where the groups communicate (the run's device). `link_delays`: the slowlink
+        drill, (rank a, rank b, seconds) per delayed link (`slowlink_delays` of the drill spec):
+        on a and b, each group holding both waits that long before exchanging (comm.py)."""
         rank, world = comm.global_rank(), comm.world_size()
         device = torch.device(device)
         if layout.world_size != world:
@@ -232,6 +257,8 @@ class Grid:
         for name, ranks in layout.groups_of(rank).items():
             pg = made.get(tuple(ranks))  # None for a group of this rank alone
             groups[name] = Group(name, ranks, pg, device=device, span_category=SPAN_CATEGORY.get(name, "sync"))
+        for group in groups.values():
+            group.link_delays = _delays_in(group.ranks, rank, link_delays)
         if layout.cp == 1:  # the same replicas: the same object, so its traffic is counted as dp's
             groups["dp_cp"] = groups["dp"]
         return cls(layout, rank, groups)

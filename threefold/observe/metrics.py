@@ -129,11 +129,13 @@ def write_run_json(
     layout: dict,
     extra: dict | None = None,
     device: torch.device | str | None = None,
+    fingerprint: dict | None = None,
 ) -> Path:
     """Write <log_dir>/run.json: resolved config, versions, layout, hardware, start time.
 
     `device` is the device the run trains on (the training loop passes its own); without one
-    the hardware section describes the host CPU.
+    the hardware section describes the host CPU. `fingerprint`: this rank's stack
+    (preflight/fingerprint.py), when the preflight ran.
     Written to a temp file and renamed, so a reader never sees a partial file.
     """
     if device is None:
@@ -146,6 +148,8 @@ def write_run_json(
         "start_time": datetime.now(UTC).isoformat(timespec="seconds"),
         "extra": extra or {},
     }
+    if fingerprint is not None:
+        doc["fingerprint"] = fingerprint
     path = Path(log_dir) / "run.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, _dumps(doc, indent=2) + "\n")

@@ -53,11 +53,14 @@ class RunGuard:
         scaler=None,
         faults: FaultInjector | None = None,
         on_saved=lambda step, directory: None,
+        fingerprint: dict | None = None,
     ):
         """`scaler`: the engine's loss scaler, whose state each checkpoint carries (fp16).
         `faults`: the injector of an earlier attempt in this process (a rollback), already
         installed on `chunks`; None builds and installs one. `on_saved(step, directory)`: after
-        each checkpoint is published (directory on the publishing rank, None elsewhere)."""
+        each checkpoint is published (directory on the publishing rank, None elsewhere).
+        `fingerprint`: the stack (preflight/fingerprint.py) each checkpoint's manifest records."""
+        self.fingerprint = fingerprint
         t, c = cfg.train, cfg.checkpoint
         self.scaler = scaler
         self.cfg, self.rank, self.log = cfg, grid.global_rank, log
@@ -155,6 +158,8 @@ class RunGuard:
         record["ckpt_block_s"] = 0.0
         if not late and self.save_due(step):
             extra = {"optimizer_step": step + 1}
+            if self.fingerprint is not None:
+                extra["fingerprint"] = self.fingerprint
             if self.scaler is not None:
                 extra["loss_scaler"] = self.scaler.state_dict()
             with span("checkpoint") if span is not None else contextlib.nullcontext():

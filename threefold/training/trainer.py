@@ -115,6 +115,7 @@ class Trainer:
         restarted: bool = False,
         stop: StopSignals | None = None,
         callbacks: Callbacks | None = None,
+        fingerprint: dict | None = None,
     ):
         """Build this rank's part of the run and load a checkpoint when checkpoint.resume (or
         init_from) says so; `restarted` (a worker the elastic agent restarted) continues from
@@ -122,10 +123,13 @@ class Trainer:
         MemoryProbe) watches each step's activations and measures the model state after the
         optimizer step. `stop` (training/signals.py): the signals this rank listens to; every rank
         stops after the first step whose read shows one, saves, and raises Stopped. `callbacks`:
-        a library user's hooks (training/callbacks.py)."""
+        a library user's hooks (training/callbacks.py). `fingerprint`: this rank's stack
+        (preflight/fingerprint.py), written into run.json and every checkpoint's manifest; a
+        resume from a checkpoint of another stack says what changed."""
         self.callbacks = callbacks or Callbacks()
         m, t, p = cfg.model, cfg.train, cfg.parallel
         self.cfg, self.grid, self.device, self.probe, self.stop = cfg, grid, device, probe, stop
+        self.fingerprint = fingerprint
         self.is_logger = grid.global_rank == 0
         self.log = log if self.is_logger else _quiet
         self.dtype = resolve_dtype(t.dtype, device)
@@ -173,6 +177,7 @@ class Trainer:
                 cfg.to_dict(),
                 grid.describe(),
                 device=device,
+                fingerprint=fingerprint,
                 extra={
                     "data": self.tokens.source,
                     "peak_flops_per_device": peak,
@@ -221,11 +226,23 @@ class Trainer:
         """Every tensor of a checkpoint `choose` picked into this rank's slices, the working weights
         from the loaded masters, and a dynamic loss scale; returns the checkpoint's step."""
         load_into(self.state, directory, manifest)
+        self._say_stack_change(directory, manifest.extra.get("fingerprint"))
         refresh_params(self.engine, manifest.extra["optimizer_step"])
         self.engine.scaler.load_state_dict(manifest.extra.get("loss_scaler", {}))
         if not quiet:
             self.log(f"threefold: resumed from {directory} at step {manifest.step}")
         return manifest.step
+
+    def _say_stack_change(self, directory: Path, saved: dict | None) -> None:
+        """One line when the checkpoint was written on another stack (older checkpoints carry
+        no fingerprint: nothing to compare)."""
+        if saved is None or self.fingerprint is None:
+            return
+        from threefold.preflight.stack import describe_change
+
+        change = describe_change(saved, self.fingerprint)
+        if change:
+            self.log(f"threefold: resuming {directory.name}: {change}")
 
     def reload(self, at_most: int) -> bool:
         """A rollback: the newest checkpoint of checkpoint.dir saved no later than step `at_most`
@@ -255,6 +272,7 @@ class Trainer:
             self.engine.scaler,
             faults=faults,
             on_saved=self.callbacks.checkpoint,
+            fingerprint=self.fingerprint,
         )
 
     # --- the run ------------------------------------------------------------------------------

@@ -9,10 +9,11 @@ from __future__ import annotations
 import sys
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 from threefold.config import Config
-from threefold.distributed import failures
-from threefold.distributed.grid import Grid
+from threefold.distributed import drills, failures
+from threefold.distributed.grid import Grid, slowlink_delays
 from threefold.distributed.runtime import (
     WorkerEnv,
     abandon_distributed,
@@ -48,15 +49,24 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
         layout.check_placement(
             cfg.parallel.devices_per_node or env.local_world_size, cfg.parallel.allow_tp_across_nodes
         )
-        grid = Grid.build(layout, timeout=timedelta(seconds=t.startup_timeout_s), device=device)
+        delays = slowlink_delays(drills.parse(*drills.spec_of(t)))  # the slowlink drill
+        grid = Grid.build(layout, timeout=timedelta(seconds=t.startup_timeout_s), device=device, link_delays=delays)
         give_deadlines(grid, t.timeout_s, t.startup_timeout_s)
+        preflight = _preflight(cfg, grid, device, env)
         probe = None
         if measure_memory:
             from threefold.training.memory_probe import MemoryProbe
 
             probe = MemoryProbe(device)
         result = Trainer(
-            cfg, grid, device, probe=probe, restarted=env.restart_count > 0, stop=stop, callbacks=callbacks
+            cfg,
+            grid,
+            device,
+            probe=probe,
+            restarted=env.restart_count > 0,
+            stop=stop,
+            callbacks=callbacks,
+            fingerprint=preflight.stack.fingerprint,
         ).train()
         shutdown_distributed()
         return result
@@ -93,6 +103,34 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
         abandon_distributed()
         if stop is not None:
             stop.uninstall()
+
+
+def _preflight(cfg: Config, grid: Grid, device, env: WorkerEnv):
+    """Before step 1: every rank's stack compared, and the node and link probes per
+    train.preflight; rank 0 writes <log.dir>/preflight.json and prints each finding once. A hard
+    stack difference ends every rank with exit 2 (one line, on rank 0) unless
+    train.allow_stack_mismatch; anything else named is a warning."""
+    from threefold.preflight.run import HARD_EXIT, PREFLIGHT, node_count, run_preflight, wants_probes, write_preflight
+
+    probes = wants_probes(cfg.train.preflight, node_count(env.world_size, env.local_world_size))
+    result = run_preflight(cfg, grid, device, probes)
+    stops = result.stack.hard and not cfg.train.allow_stack_mismatch
+    if env.rank == 0:
+        write_preflight(Path(cfg.log.dir) / PREFLIGHT, result)
+        if stops:
+            why = "; ".join(line.removeprefix("threefold: ") for line in result.stack.lines)
+            why += " (--train.allow_stack_mismatch true trains on)"
+            # Under threefold's launcher the record is the one line it prints; under torchrun, ours.
+            failures.record(cfg.log.dir, env.restart_count, env.rank, why, failures.CRASH)
+            if failures.prints_own_line():
+                print(f"threefold: {why}", file=sys.stderr, flush=True)
+        else:
+            for line in result.lines:
+                print(line, file=sys.stderr, flush=True)
+    if stops:
+        shutdown_distributed()
+        sys.exit(HARD_EXIT)
+    return result
 
 
 def _peer_failure(err: Exception, cfg: Config, grid: Grid | None) -> str | None:
