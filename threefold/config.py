@@ -170,6 +170,12 @@ class TrainConfig:
     allow_stack_mismatch: bool = knob(
         False, "Train on although ranks differ in torch, NCCL as loaded, CUDA, device model or threefold's source"
     )
+    preflight_exclude: bool = knob(
+        False,
+        "Leave out at start the one node whose ranks the node probe names (torchrun --nnodes MIN:MAX, "
+        "--max-restarts > 0, parallel.dp 0): it ends as a lost node, the rest re-form the job smaller; "
+        "first attempt only, so the restarted world probes again but never excludes again",
+    )
     eval_every: int = knob(0, "Validation loss on the held-out tokens every N steps (0 = off; needs data.val_fraction)")
     eval_sequences: int = knob(64, "Held-out sequences one evaluation reads (0 = every held-out window)")
 

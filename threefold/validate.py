@@ -242,6 +242,13 @@ def validate_train(cfg: Config) -> None:
     _positive("train.straggler_steps", t.straggler_steps, allow_zero=True)
     if t.preflight not in ("auto", "on", "off"):
         raise ConfigError("train.preflight", f"{t.preflight!r} is not allowed", "valid: auto, on, off")
+    if t.preflight_exclude and t.preflight == "off":
+        # The exclusion acts on the node probe's finding: with the probes off there is none.
+        raise ConfigError(
+            "train.preflight_exclude",
+            "needs the node probe, but train.preflight is off",
+            "valid: train.preflight auto or on",
+        )
     _positive("train.recompute_layers", t.recompute_layers, allow_zero=True)
     if t.dtype == "fp16" and t.loss_scale == "none":
         raise ConfigError(

@@ -19,11 +19,12 @@ import torch
 
 from threefold.atomic import atomic_write
 from threefold.config import Config
-from threefold.distributed import drills
+from threefold.distributed import comm, drills
 from threefold.distributed.grid import Grid
 from threefold.preflight.fingerprint import apply_stack_drill, fingerprint
 from threefold.preflight.link_probe import LinkReport, probe_links
 from threefold.preflight.node_probe import NodeReport, probe_node
+from threefold.preflight.nodes import where
 from threefold.preflight.stack import StackReport, check_stack
 
 PREFLIGHT = "preflight.json"
@@ -119,6 +120,54 @@ def run_preflight(cfg: Config, grid: Grid, device: torch.device, probes: bool) -
     node = probe_node(grid, device, probe_dtype(cfg.train.dtype, device), slow_factor=slow_factor)
     link = probe_links(grid, device)
     return Preflight(stack, node, link)
+
+
+def node_to_exclude(report: NodeReport, rank: int, first_attempt: bool, can_shrink: bool) -> tuple[int, str]:
+    """Rank 0's choice for train.preflight_exclude (pure): (the node to leave out, the one line
+    saying why) or (-1, why not; "" when nothing was named). A node is left out only when every
+    rank the node probe named is on it (a whole kind under its datasheet peak, or slow ranks on
+    several nodes, is not one bad machine), only on the elastic agent's first attempt (the
+    restarted, smaller world probes again but never excludes: no loop), and only when the
+    launch has room to shrink (`can_shrink`: more than one node and restarts left). The link
+    probe's slow hops are never excluded: a hop joins two ranks, and which end is at fault is a
+    guess."""
+    if rank != 0 or not report.named:
+        return -1, ""
+    named = report.record.get("named", [])
+    nodes = {row["rank"]: row["node"] for row in report.record.get("ranks", [])}
+    named_nodes = sorted({nodes[r] for r in named})
+    if len(named_nodes) != 1:
+        return -1, f"threefold: preflight: not excluding: the named ranks are on nodes {named_nodes}, not one"
+    if not first_attempt:
+        return -1, "threefold: preflight: not excluding again after a restart (train.preflight_exclude acts once)"
+    if not can_shrink:
+        needs = "torchrun --nnodes MIN:MAX over several nodes and --max-restarts > 0"
+        return -1, f"threefold: preflight: not excluding: needs {needs}"
+    node = named_nodes[0]
+    # The node probe's own line says why; with several ranks named, the first line and the rest.
+    finding = report.lines[0].removeprefix("threefold: node: ") if report.lines else where(named, nodes)
+    more = f"; of {where(named, nodes)}" if len(named) > 1 else ""
+    line = (
+        f"threefold: preflight: excluding node {node}, named by the node probe: {finding}{more}; "
+        "the other nodes re-form the job without it (train.preflight_exclude)"
+    )
+    return node, line
+
+
+def decide_exclusion(report: NodeReport, grid: Grid, device: torch.device, first_attempt: bool, can_shrink: bool):
+    """(node, line): rank 0's node_to_exclude on every rank, as one float64 (the node index or -1)
+    broadcast over the world; `line` is filled on rank 0. Collective: call it on every rank when
+    the node probe ran and named something (report.named is the same on every rank)."""
+    node, line = node_to_exclude(report, grid.global_rank, first_attempt, can_shrink)
+    decided = comm.broadcast(torch.tensor([float(node)], dtype=torch.float64, device=device), grid.world)
+    return int(decided.item()), line
+
+
+def can_shrink(nodes: int, environ: dict | None = None) -> bool:
+    """An elastic launch with room to lose a node: torchrun's agents over several nodes and
+    restarts left to re-form the job (TORCHELASTIC_MAX_RESTARTS)."""
+    env = os.environ if environ is None else environ
+    return bool(env.get("GROUP_WORLD_SIZE")) and nodes > 1 and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
 
 
 def write_preflight(path: str | Path, result: Preflight) -> Path:

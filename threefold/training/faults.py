@@ -86,7 +86,7 @@ class FaultInjector:
             on_fault(fault)
             print(f"threefold: fault injection: {kind} rank {self.rank} at step {step}", file=sys.stderr, flush=True)
             if kind == "killnode":
-                _kill_node()
+                kill_node()
             if kind in ("kill", "killnode"):
                 os.kill(os.getpid(), signal.SIGKILL)
             while True:  # a hang: only the collective timeout of the other ranks ends it
@@ -114,9 +114,10 @@ class FaultInjector:
         print(f"threefold: fault injection: corrupted {path}", file=sys.stderr, flush=True)
 
 
-def _kill_node() -> None:
+def kill_node() -> None:
     """SIGKILL this worker's agent and the agent's other workers (found through /proc):
-    the node is gone at once, as when a machine loses power."""
+    the node is gone at once, as when a machine loses power. The killnode drill, and
+    train.preflight_exclude's end of an excluded node (training/worker.py)."""
     agent, me = os.getppid(), os.getpid()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != me:

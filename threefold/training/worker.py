@@ -6,6 +6,8 @@ in-process for a single-device run.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import threading
 from datetime import timedelta
@@ -130,7 +132,31 @@ def _preflight(cfg: Config, grid: Grid, device, env: WorkerEnv):
     if stops:
         shutdown_distributed()
         sys.exit(HARD_EXIT)
+    if cfg.train.preflight_exclude and result.node is not None and result.node.named:
+        _exclude_named_node(cfg, grid, device, env, result)
     return result
+
+
+def _exclude_named_node(cfg: Config, grid: Grid, device, env: WorkerEnv, result) -> None:
+    """train.preflight_exclude: rank 0 names the node the node probe found slow (or none) to every
+    rank; that node's workers end their node as a lost machine ends (agent and workers, the
+    killnode drill's way), and the others exit so that their agents re-form the job without it,
+    as after a lost node (torchrun --nnodes MIN:MAX). Returns when nothing is excluded."""
+    from threefold.preflight.nodes import node_index
+    from threefold.preflight.run import can_shrink, decide_exclusion, node_count
+    from threefold.training.faults import kill_node
+
+    nodes = node_count(env.world_size, env.local_world_size)
+    node, line = decide_exclusion(result.node, grid, device, env.restart_count == 0, can_shrink(nodes))
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    if node < 0:
+        return
+    if node_index(env.rank) == node:
+        kill_node()
+        os.kill(os.getpid(), signal.SIGKILL)
+    failures.record(cfg.log.dir, env.restart_count, env.rank, f"the preflight excluded node {node}")
+    sys.exit(1)
 
 
 def _peer_failure(err: Exception, cfg: Config, grid: Grid | None) -> str | None:
