@@ -164,7 +164,7 @@ class RunGuard:
                 extra["loss_scaler"] = self.scaler.state_dict()
             with span("checkpoint") if span is not None else contextlib.nullcontext():
                 record["ckpt_block_s"] = self.ckpt.save(step + 1, extra)
-            self.goodput.write()
+                self.goodput.write()  # the save's own bookkeeping: timed with it
         elif report and self.ckpt is not None and self.ckpt.in_flight:
             # An asynchronous save is published at the first report step after it (every rank
             # is there together; its file is written by now unless the disk is slower than
