@@ -217,3 +217,34 @@ def run_training_many(runs: dict[str, dict], root, cache_dir: str, world: int, t
         name: [json.loads(line) for line in (Path(root) / name / "metrics.jsonl").read_text().splitlines()]
         for name in runs
     }
+
+
+def run_agents(
+    envs: list[dict], args: list[str], nnodes: str, rdzv_conf: str = "is_host=false", extra=(), timeout: float = 180.0
+) -> tuple[list[int], list[str]]:
+    """One torchrun agent per environment in `envs`, each a one-process "node" on localhost, all
+    joining one c10d rendezvous whose store is hosted here (as a dedicated host would: it must
+    outlive any node that dies), running `args` (e.g. ["-m", "threefold", "train", ...]).
+    `extra`: more torchrun options (--max-restarts ...). Returns (exit codes, combined output)."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    store = TCPStore(
+        "127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1"]
+    launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "agents"]
+    launcher += ["--rdzv-conf", rdzv_conf, "--monitor-interval", "0.5", *extra]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    procs = [subprocess.Popen(launcher + list(args), env=env, **pipes) for env in envs]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        del store  # the rendezvous host goes last
+    return [p.returncode for p in procs], outs

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import free_port
+from harness import run_agents
 
 TRAIN = ["--train.steps", "2", "--train.global_batch", "4", "--train.micro_batch", "1", "--log.quiet", "true"]
 
@@ -75,31 +75,12 @@ def test_a_node_whose_workers_run_another_nccl_variable_is_named(tmp_path, data,
     """Two one-process "nodes" under torchrun --nnodes 2 on localhost (c10d rendezvous hosted
     here); node 1's agent, and so its worker, has NCCL_ALGO=Tree in its environment. The world
     spans two nodes, so train.preflight auto runs the probes too."""
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    port = free_port()
-    store = TCPStore(
-        "127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
     base = {**os.environ, "THREEFOLD_FAULT": "", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     base.pop("NCCL_ALGO", None)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
-    launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "doctor"]
-    launcher += ["--rdzv-conf", "is_host=false", "--monitor-interval", "0.5"]
     train = ["-m", "threefold", "train", "--parallel.dp", "0", *TRAIN]  # train.preflight auto: 2 nodes probe
     train += ["--data.path", data, "--data.vocab", "256", "--data.cache_dir", cache_dir, "--log.dir", str(tmp_path)]
-    envs = [base, {**base, "NCCL_ALGO": "Tree"}]
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    procs = [subprocess.Popen(launcher + train, env=e, **pipes) for e in envs]
-    try:
-        outs = [p.communicate(timeout=90)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-        del store  # the rendezvous host goes last
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    codes, outs = run_agents([base, {**base, "NCCL_ALGO": "Tree"}], train, "2", timeout=90)
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     said = _threefold_lines(outs[0] + outs[1], "stack")
     assert len(said) == 1, said
     assert "node 1" in said[0] and "NCCL_ALGO" in said[0], said

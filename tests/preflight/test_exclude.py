@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from datetime import timedelta
 
 import pytest
 
@@ -16,7 +13,7 @@ from threefold.errors import ConfigError
 from threefold.preflight.node_probe import NodeReport
 from threefold.preflight.run import node_to_exclude
 
-from harness import free_port
+from harness import run_agents
 
 SLOW_LINE = "threefold: node: rank 1 (node 1) GEMM 1.0 GFLOP/s vs median 2.0 of 2 ranks (cpu)"
 
@@ -58,38 +55,22 @@ def test_a_slow_node_is_excluded_at_start_and_the_rest_trains_with_a_smaller_dp(
     the lost-node test of tests/training/test_faults.py); node 1's rank runs the slowdevice drill
     at 3x. The node probe names it, rank 0 tells every rank, node 1 ends whole (agent and worker),
     and node 0's agent re-forms the job alone: dp 0 resolves to 1 and the run finishes."""
-    from torch.distributed import TCPStore
-
-    port = free_port()
-    store = TCPStore(
-        "127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
     env = {
         **os.environ,
         "THREEFOLD_FAULT": "slowdevice:rank=1:factor=3",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "OMP_NUM_THREADS": "1",
     }
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1"]
-    launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "exclude"]
-    # last_call_timeout: how long the first round waits for the second node, and the re-formed
-    # round for a node that will not come back.
-    launcher += ["--rdzv-conf", "is_host=false,last_call_timeout=8", "--max-restarts", "1", "--monitor-interval", "0.5"]
     log = tmp_path / "run"
     train = ["-m", "threefold", "train", "--parallel.dp", "0", "--train.steps", "2", "--train.global_batch", "4"]
     train += ["--train.micro_batch", "1", "--train.preflight", "on", "--train.preflight_exclude", "true"]
     train += ["--data.path", data, "--data.vocab", "256", "--data.cache_dir", cache_dir, "--log.dir", str(log)]
     train += ["--log.quiet", "true"]
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    procs = [subprocess.Popen(launcher + train, env=env, **pipes) for _ in range(2)]
-    try:
-        outs = [p.communicate(timeout=180)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-        del store  # the rendezvous host goes last
+    # last_call_timeout: how long the first round waits for the second node, and the re-formed
+    # round for a node that will not come back.
+    codes, outs = run_agents([env, env], train, "1:2", "is_host=false,last_call_timeout=8", ["--max-restarts", "1"])
     said = outs[0] + outs[1]
-    assert sorted(p.returncode for p in procs) == [-9, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert sorted(codes) == [-9, 0], outs[0][-3000:] + outs[1][-3000:]
     excluded = [line for line in said.splitlines() if line.startswith("threefold: preflight: excluding")]
     assert len(excluded) == 1, said[-3000:]
     assert "excluding node 1" in excluded[0] and "rank 1 (node 1)" in excluded[0] and "GEMM" in excluded[0]

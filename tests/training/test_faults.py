@@ -343,16 +343,8 @@ def test_losing_a_node_continues_on_the_rest_with_a_smaller_dp(straight, tmp_pat
     dies whole at step 6 (agent and worker); node 0's agent re-forms the job alone: dp 0 resolves
     to 1, the dp-2 checkpoint of step 4 is resharded, the global batch stays 8, and the losses are
     those of the uninterrupted run."""
-    from datetime import timedelta
+    from harness import run_agents
 
-    from torch.distributed import TCPStore
-
-    from harness import free_port
-
-    port = free_port()
-    store = TCPStore(
-        "127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
     log, ckpt = tmp_path / "run", tmp_path / "ckpt"
     env = {
         **os.environ,
@@ -360,26 +352,7 @@ def test_losing_a_node_continues_on_the_rest_with_a_smaller_dp(straight, tmp_pat
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "OMP_NUM_THREADS": "1",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1:2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
-        "--rdzv-id",
-        "nodes",
-        "--rdzv-conf",
-        "is_host=false,last_call_timeout=15",
-        "--max-restarts",
-        "2",
-        "--monitor-interval",
-        "0.5",
+    args = [
         "-m",
         "threefold",
         "train",
@@ -402,17 +375,10 @@ def test_losing_a_node_continues_on_the_rest_with_a_smaller_dp(straight, tmp_pat
         "--log.quiet",
         "true",
     ]
-    procs = [
-        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-        del store  # the rendezvous host goes last
-    codes = sorted(p.returncode for p in procs)
-    assert codes == [-9, 0], outs[0][-3000:] + outs[1][-3000:]
+    codes, outs = run_agents(
+        [env, env], args, "1:2", "is_host=false,last_call_timeout=15", ["--max-restarts", "2"], timeout=300
+    )
+    assert sorted(codes) == [-9, 0], outs[0][-3000:] + outs[1][-3000:]
     rows = _metrics(log)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
     assert json.loads((log / "run.json").read_text())["layout"]["dp"] == 1

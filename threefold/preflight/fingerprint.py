@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from threefold.checkpoint.manifest import sha256_of
 from threefold.observe.host import available_cores, cpu_model
 from threefold.preflight.nodes import host_name
 from threefold.version import __version__
@@ -143,11 +144,7 @@ def source_digest(root: Path) -> str:
 @functools.cache
 def file_digest(path: str) -> str:
     """sha256 of a file's content, read once per path per process (libnccl is hundreds of MB)."""
-    total = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            total.update(block)
-    return total.hexdigest()
+    return sha256_of(Path(path))
 
 
 def mapped_library(maps: str, prefixes: tuple[str, ...]) -> str | None:
