@@ -160,6 +160,14 @@ class TrainConfig:
         3, "Reload the last checkpoint after this many non-finite steps in a row (0 = never)"
     )
     straggler_steps: int = knob(5, "Name a rank whose compute stays above 1.5x the median this many steps (0 = off)")
+    on_slow: str = knob(
+        "warn",
+        "What a slow node or stage the in-run diagnosis names leads to: warn (a line and a record), exclude "
+        "(the node, as a lost node: torchrun --nnodes MIN:MAX, --max-restarts > 0), rebalance (an uneven "
+        "pipeline partition, applied at a restart)",
+        ("warn", "exclude", "rebalance"),
+    )
+    on_slow_reports: int = knob(3, "Report intervals in a row a node or stage stays named before train.on_slow acts")
     faults: str = knob("", "Fault injection for drills, e.g. 'kill:rank=1:step=5' ($THREEFOLD_FAULT overrides)")
     preflight: str = knob(
         "auto",
@@ -253,6 +261,11 @@ class LogConfig:
         "left, on report steps; needs log.spans",
     )
     tensorboard: bool = knob(False, "Also write the metrics as TensorBoard scalars into log.dir (needs tensorboard)")
+    prometheus_port: int = knob(
+        0,
+        "Serve step time, tokens/s, MFU, category shares and the diagnosis' findings for Prometheus on this "
+        "port of each node (its first rank; 0 = off; needs prometheus-client)",
+    )
 
 
 @dataclass

@@ -15,6 +15,15 @@ Each data-plane function takes the `Group` it talks to (distributed/grid.py) and
 
 Asynchronous calls (`async_op=True`) return torch's work handle; `wait()` on it (NCCL: the
 current stream waits; gloo: the host waits).
+
+Every operation on a group of two or more also gets the group's next sequence number
+(`group.ops`, an OpLog: the newest posted and the newest completed, with their kinds): when a
+collective times out, each surviving rank can say which operation of which group it was waiting
+in, and a rank that never posted it shows as one whose count stopped short (distributed/hang.py).
+A batch of point-to-point operations is one number. While `group.link` holds a LinkTimes (the
+observer sets one when spans are on), the time in each collective (the call, and the wait of an
+asynchronous one) and the time spent posting and waiting per peer of point-to-point batches are
+summed there: what a slow link or a slow peer costs this rank, per group and per peer.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from threefold.distributed.timer import DeviceTimer
 
 ReduceOp = dist.ReduceOp
 SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
@@ -70,6 +81,80 @@ class CommStats:
 
 
 @dataclass
+class OpLog:
+    """This rank's numbered operations on one group: the newest posted and the newest completed.
+    A sequence number counts every collective and every batch of point-to-point operations this
+    rank issued on the group, from 1; the same operation has the same number on every member."""
+
+    posted: int = 0
+    posted_kind: str = ""
+    posted_peers: tuple[int, ...] = ()
+    """Global ranks of the newest posted point-to-point batch's peers (() for a collective)."""
+    completed: int = 0
+    completed_kind: str = ""
+    _open: dict = field(default_factory=dict, repr=False)
+    """id(work handle) -> (seq, kind) of asynchronous operations not waited on yet."""
+
+    def post(self, kind: str, peers: tuple[int, ...] = ()) -> int:
+        self.posted += 1
+        self.posted_kind, self.posted_peers = kind, peers
+        return self.posted
+
+    def complete(self, seq: int, kind: str) -> None:
+        if seq > self.completed:
+            self.completed, self.completed_kind = seq, kind
+
+    def state(self) -> dict:
+        """What this rank last did on the group: JSON-ready, for a failure record."""
+        return {
+            "posted": self.posted,
+            "posted_kind": self.posted_kind,
+            "posted_peers": list(self.posted_peers),
+            "completed": self.completed,
+            "completed_kind": self.completed_kind,
+        }
+
+
+class LinkTimes:
+    """Seconds this rank spent in one group's communication since the last take(): in its
+    collectives (the call, and the wait of an asynchronous one) and, per peer (a global rank), in
+    posting and waiting for point-to-point batches that involve that peer. DeviceTimers: host
+    perf_counter on CPU, event pairs on the stream on CUDA (read where the host waits anyway)."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = device
+        self.collective = DeviceTimer(device)
+        self.peers: dict[int, DeviceTimer] = {}
+
+    def peer(self, rank: int) -> DeviceTimer:
+        timer = self.peers.get(rank)
+        if timer is None:
+            timer = self.peers[rank] = DeviceTimer(self.device)
+        return timer
+
+    def take(self) -> tuple[DeviceTimer, dict[int, DeviceTimer]]:
+        """The intervals so far, unread; the timers start again from zero."""
+        return self.collective.take(), {r: t.take() for r, t in self.peers.items()}
+
+
+@contextlib.contextmanager
+def peer_timing(group: Group, peers):
+    """Time a block as point-to-point time with each of `peers` (global ranks) on `group`'s
+    LinkTimes; nothing without one. The pipeline executor's receive waits use it."""
+    link = group.link
+    if link is None or not peers:
+        yield
+        return
+    timers = [link.peer(p) for p in peers]
+    tokens = [t.start() for t in timers]
+    try:
+        yield
+    finally:
+        for t, token in zip(timers, tokens):
+            t.stop(token)
+
+
+@dataclass
 class Deadlines:
     """How long this rank's collectives on a group wait for its peers: `regular` (train.timeout_s),
     or `patient` (train.startup_timeout_s) while `open_phases` > 0: phases in which some rank does
@@ -106,6 +191,11 @@ class Group:
     """The slowlink drill (Grid.build's link_delays): seconds this rank waits before exchanging
     with each peer (a global rank) of this group: before a send to or receive from that peer,
     and before every collective of the group (the longest). Empty (no cost) unless drilled."""
+    ops: OpLog = field(default_factory=OpLog, compare=False, repr=False)
+    """This rank's numbered operations on the group (hang attribution)."""
+    link: LinkTimes | None = field(default=None, compare=False, repr=False)
+    """While set (the observer, with spans on): where the time in this group's communication is
+    summed, per collective and per point-to-point peer. None costs nothing."""
 
     @property
     def size(self) -> int:
@@ -155,14 +245,24 @@ def _link_wait(group: Group, peers=None) -> None:
 
 
 def _run(group: Group, kind: str, size: int, fn, async_op: bool):
-    """Record, time and issue one collective; a group of one only returns."""
+    """Record, number, time and issue one collective; a group of one only returns."""
     if group.size == 1:
         return None
+    link = group.link
+    token = link.collective.start() if link is not None else None
     if group.link_delays:
         _link_wait(group)
     group.stats.record(kind, size)
+    seq = group.ops.post(kind)
     with _timed(group):
-        return fn(async_op)
+        work = fn(async_op)
+    if link is not None:
+        link.collective.stop(token)
+    if async_op and work is not None:
+        group.ops._open[id(work)] = (seq, kind)
+    else:
+        group.ops.complete(seq, kind)
+    return work
 
 
 # --- collectives -------------------------------------------------------------------------------
@@ -288,12 +388,19 @@ def broadcast(x: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     return x
 
 
-def wait(work, group: Group) -> None:
+def wait(work, group: Group, _collective: bool = True) -> None:
     """Wait for an asynchronous call on `group` (None: a group of one issued nothing); timed as
-    the group's span category, like the call."""
+    the group's span category, like the call (and as collective time on its LinkTimes)."""
     if work is not None:
+        link = group.link if _collective else None
+        token = link.collective.start() if link is not None else None
         with _timed(group):
             work.wait()
+        if link is not None:
+            link.collective.stop(token)
+        done = group.ops._open.pop(id(work), None)
+        if done is not None:
+            group.ops.complete(*done)
 
 
 def barrier(group: Group) -> None:
@@ -324,9 +431,21 @@ class P2PBatch:
 
 
 class Posted(list):
-    """The work handles of one batch_send_recv, with its P2PBatch when the group logs."""
+    """The work handles of one batch_send_recv, with its P2PBatch when the group logs, its
+    sequence number on the group and its peers (global ranks)."""
 
     entry: P2PBatch | None = None
+    seq: int = 0
+    peers: tuple[int, ...] = ()
+    recv_peers: tuple[int, ...] = ()
+    """The peers this batch receives from: a wait on the batch is time spent on them."""
+
+
+def batch_done(posted: Posted, group: Group) -> None:
+    """Mark a batch of batch_send_recv complete in the group's OpLog (wait_all does; a caller
+    that waits on the handles itself, as the pipeline executor does, calls this after)."""
+    if posted.seq:
+        group.ops.complete(posted.seq, "p2p")
 
 
 def batch_send_recv(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> Posted:
@@ -343,10 +462,16 @@ def batch_send_recv(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> P
         if kind == "send":
             group.stats.record("send", nbytes(tensor))
         p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, group.ranks[peer], group=group.pg))
-    if group.link_delays:
-        _link_wait(group, [group.ranks[peer] for _, _, peer in ops])
-    posted = Posted(dist.batch_isend_irecv(p2p) if p2p else [])
+    peers = tuple(sorted({group.ranks[peer] for _, _, peer in ops}))
+    with peer_timing(group, peers):
+        if group.link_delays:
+            _link_wait(group, peers)
+        posted = Posted(dist.batch_isend_irecv(p2p) if p2p else [])
     posted.entry = entry
+    posted.peers = peers
+    posted.recv_peers = tuple(sorted({group.ranks[peer] for kind, _, peer in ops if kind == "recv"}))
+    if p2p:
+        posted.seq = group.ops.post("p2p", peers)
     return posted
 
 
@@ -356,27 +481,38 @@ def wait_all(works: list, group: Group) -> None:
     entry = getattr(works, "entry", None)
     if entry is not None:
         entry.waited = time.perf_counter()
-    for work in works:
-        wait(work, group)
+    with peer_timing(group, getattr(works, "recv_peers", ())):
+        for work in works:
+            wait(work, group, _collective=False)
     if entry is not None:
         entry.done = time.perf_counter()
+    if isinstance(works, Posted):
+        batch_done(works, group)
 
 
 def send(x: torch.Tensor, group: Group, peer: int) -> None:
     """Blocking send to the group's rank `peer` (an index in the group)."""
     _check(x, group, "send")
     group.stats.record("send", nbytes(x))
-    if group.link_delays:
-        _link_wait(group, [group.ranks[peer]])
-    dist.send(x, dst=group.ranks[peer], group=group.pg)
+    peers = (group.ranks[peer],)
+    seq = group.ops.post("send", peers)
+    with peer_timing(group, peers):
+        if group.link_delays:
+            _link_wait(group, peers)
+        dist.send(x, dst=group.ranks[peer], group=group.pg)
+    group.ops.complete(seq, "send")
 
 
 def recv(x: torch.Tensor, group: Group, peer: int) -> torch.Tensor:
     """Blocking receive into `x` from the group's rank `peer`."""
     _check(x, group, "recv")
-    if group.link_delays:
-        _link_wait(group, [group.ranks[peer]])
-    dist.recv(x, src=group.ranks[peer], group=group.pg)
+    peers = (group.ranks[peer],)
+    seq = group.ops.post("recv", peers)
+    with peer_timing(group, peers):
+        if group.link_delays:
+            _link_wait(group, peers)
+        dist.recv(x, src=group.ranks[peer], group=group.pg)
+    group.ops.complete(seq, "recv")
     return x
 
 

@@ -115,6 +115,8 @@ class StepObserver:
         self._sums: list[float] | None = None  # this rank's seconds and counts since the last report
         self._steps_summed = 0
         self.bands = self._band_check(log_cfg)
+        self.last_ranks: list[dict] | None = None  # rank 0's rows of the newest report
+        self.last_steps = 0
 
     def _band_check(self, log_cfg):
         """log.bands: every rank reads the file, so a bad one fails all of them alike; only the
@@ -246,6 +248,7 @@ class StepObserver:
                     "comm_calls": {g: int(calls[r, i]) for i, g in enumerate(GROUPS)},
                 }
             )
+        self.last_ranks, self.last_steps = ranks, steps  # the diagnosis' view (report_view)
         self._detail.write(json.dumps({"step": self._step, "steps": steps, "ranks": ranks}) + "\n")
         self._detail.flush()
         if per_rank is not None:
@@ -276,6 +279,16 @@ class StepObserver:
         if self.bands is not None:
             self._check_bands(fields, ranks, steps)
         return fields
+
+    def report_view(self, record: dict, layers: dict | None = None):
+        """Rank 0's ReportView (observe/diagnose.py) of the report just written; None elsewhere,
+        or with spans off."""
+        if self.recorder is None or not self.is_logger or self.last_ranks is None:
+            return None
+        from threefold.observe.diagnose import ReportView
+
+        ranks, self.last_ranks = self.last_ranks, None
+        return ReportView(self._step, self.last_steps, ranks, self.grid.layout, record, layers)
 
     def _check_bands(self, fields: dict, ranks: list[dict], steps: int) -> None:
         from threefold.observe.bands import alert_text, critical_shares

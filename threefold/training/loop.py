@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from threefold.data import TokenFile
     from threefold.distributed.grid import Grid
     from threefold.inference.evaluate import HeldOutEval
+    from threefold.observe.diagnose import Diagnosis
     from threefold.observe.metrics import MetricsWriter
     from threefold.observe.observer import StepObserver
     from threefold.observe.step import Throughput
@@ -60,6 +61,7 @@ class TrainerParts(Protocol):
     guard: RunGuard  # the attempt's: fault drills, health, checkpoints, goodput
     metrics: MetricsWriter  # the attempt's metrics.jsonl
     observer: StepObserver  # spans: where each step's time went
+    diagnosis: Diagnosis  # rank 0's detectors: the slow link, rank, layer, the change point
     expert_load: ExpertLoad  # MoE routing, gathered on report steps
     heldout: HeldOutEval | None  # evaluation every train.eval_every steps
     throughput: Throughput  # tokens/s and MFU of a step time
@@ -174,6 +176,8 @@ class TrainingLoop:
         trainer.guard.after_step(step, record, span=trainer.observer.phase, report=report, late=late)
         if not late:
             record.update(trainer.observer.end_step(trainer.engine, report))
+        view = trainer.observer.report_view(record) if report else None
+        record.update(trainer.diagnosis.after_step(step, record, view))  # rank 0 names what drags
         trainer.metrics.write(record)
         trainer.callbacks.metrics(record, trainer.is_logger)
         if record.get("moe_hot_experts") and (step + 1) % cfg.log.interval == 0:

@@ -48,6 +48,7 @@ from threefold.inference.evaluate import HeldOutEval
 from threefold.model.flops import train_flops_per_token
 from threefold.model.sharding import partial_params
 from threefold.observe import device_peak_flops, peak_memory_bytes, write_run_json
+from threefold.observe.diagnose import Diagnosis
 from threefold.observe.metrics import MetricsWriter
 from threefold.observe.observer import StepObserver
 from threefold.observe.step import QueuedStep, StepResult, Throughput
@@ -168,6 +169,7 @@ class Trainer:
         self.throughput = Throughput(self.tokens_per_step, flops_per_step, grid.layout.world_size, peak, bubble)
         self.observer = StepObserver(cfg.log, grid, device, self.is_logger)  # where each rank's step time went
         self.observer.attach(self.chunks, self.engine)
+        self.diagnosis = Diagnosis(cfg, grid, self.is_logger, self.log)  # what the spans show drags
         self.start_step = self.resume(restarted)
         self.metrics = self.guard = None
         self._open_records()

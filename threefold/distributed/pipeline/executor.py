@@ -240,7 +240,7 @@ class PipelineExecutor:
         with span("pp_p2p", batch):
             works, received = self._post(batch, state, stats)
         t0 = stats.recv_wait.start()
-        with span("pp_bubble", batch):
+        with span("pp_bubble", batch), comm.peer_timing(self.plan.group, works.recv_peers):
             if len(works) != len(batch) or self.free_sent_outputs:
                 # A coalesced batch (NCCL returns one request) lands its receives only when it
                 # completes; and a gloo send request holds its buffer - with free_sent_outputs the
@@ -255,6 +255,7 @@ class PipelineExecutor:
                     else:
                         state.sends.append(work)
         stats.recv_wait.stop(t0)
+        comm.batch_done(works, self.plan.group)  # its receives are in (hang attribution's count)
         for kind, key, tensor in received:
             if kind == "RECV_F":
                 state.inputs[key] = tensor.requires_grad_()
