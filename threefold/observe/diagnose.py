@@ -51,7 +51,10 @@ class ReportView:
 def _detectors(cfg, grid) -> list:
     """Every detector of this run, each with on_step(step, record) -> list[Finding] and
     on_report(view) -> list[Finding]."""
-    return []
+    from threefold.observe import changepoint, layers, links
+
+    found = (links.detector(cfg, grid), layers.detector(cfg, grid), changepoint.detector(cfg, grid))
+    return [d for d in found if d is not None]
 
 
 class Diagnosis:

@@ -33,9 +33,12 @@ if TYPE_CHECKING:
     from threefold.distributed.grid import Grid
     from threefold.inference.evaluate import HeldOutEval
     from threefold.observe.diagnose import Diagnosis
+    from threefold.observe.layers import LayerClock
     from threefold.observe.metrics import MetricsWriter
     from threefold.observe.observer import StepObserver
+    from threefold.observe.prometheus import Exporter
     from threefold.observe.step import Throughput
+    from threefold.training.actions import Actions
     from threefold.training.callbacks import Callbacks
     from threefold.training.expert_load import ExpertLoad
     from threefold.training.resilience import RunGuard
@@ -62,6 +65,9 @@ class TrainerParts(Protocol):
     metrics: MetricsWriter  # the attempt's metrics.jsonl
     observer: StepObserver  # spans: where each step's time went
     diagnosis: Diagnosis  # rank 0's detectors: the slow link, rank, layer, the change point
+    layers: LayerClock  # per-layer forward and backward time on traced steps
+    actions: Actions  # train.on_slow: exclude a slow node, rebalance a slow stage
+    exporter: Exporter  # the node's Prometheus endpoint
     expert_load: ExpertLoad  # MoE routing, gathered on report steps
     heldout: HeldOutEval | None  # evaluation every train.eval_every steps
     throughput: Throughput  # tokens/s and MFU of a step time
@@ -99,6 +105,7 @@ class TrainingLoop:
         finally:  # a stop on a signal too: its records are complete
             trainer.metrics.close()
             trainer.observer.close()
+            trainer.exporter.close()
 
     def _attempt(self) -> dict:
         """Steps from start_step until train.steps (returns the last record), a signal (raises
@@ -156,6 +163,7 @@ class TrainingLoop:
             trainer.stop.boundary()
         trainer.guard.before_step(step)
         trainer.observer.begin_step(step)
+        trainer.layers.begin_step(step)
         with trainer.observer.phase("data_wait"):
             batches, data_wait = prefetch.get(step)
         queued = trainer.queue_step(step, batches, data_wait)
@@ -176,9 +184,13 @@ class TrainingLoop:
         trainer.guard.after_step(step, record, span=trainer.observer.phase, report=report, late=late)
         if not late:
             record.update(trainer.observer.end_step(trainer.engine, report))
-        view = trainer.observer.report_view(record) if report else None
+        layer_fields, layer_table = trainer.layers.end_step(step)  # traced steps only
+        record.update(layer_fields)
+        view = trainer.observer.report_view(record, layer_table) if report else None
         record.update(trainer.diagnosis.after_step(step, record, view))  # rank 0 names what drags
         trainer.metrics.write(record)
+        trainer.exporter.update(record, list(trainer.diagnosis.active.values()))
+        trainer.actions.after_step(step, record, trainer.diagnosis, report)  # may end the attempt
         trainer.callbacks.metrics(record, trainer.is_logger)
         if record.get("moe_hot_experts") and (step + 1) % cfg.log.interval == 0:
             trainer.log(

@@ -49,11 +49,14 @@ from threefold.model.flops import train_flops_per_token
 from threefold.model.sharding import partial_params
 from threefold.observe import device_peak_flops, peak_memory_bytes, write_run_json
 from threefold.observe.diagnose import Diagnosis
+from threefold.observe.layers import LayerClock
 from threefold.observe.metrics import MetricsWriter
 from threefold.observe.observer import StepObserver
+from threefold.observe.prometheus import Exporter
 from threefold.observe.step import QueuedStep, StepResult, Throughput
 from threefold.training.callbacks import Callbacks
 from threefold.training.expert_load import ExpertLoad
+from threefold.training.actions import Actions
 from threefold.training.loop import TrainingLoop
 from threefold.training.optim import lr_at
 from threefold.training.resilience import RunGuard, continues_run
@@ -169,7 +172,10 @@ class Trainer:
         self.throughput = Throughput(self.tokens_per_step, flops_per_step, grid.layout.world_size, peak, bubble)
         self.observer = StepObserver(cfg.log, grid, device, self.is_logger)  # where each rank's step time went
         self.observer.attach(self.chunks, self.engine)
+        self.layers = LayerClock(self.chunks, cfg, grid, device, self.is_logger)  # per-layer time, traced steps
         self.diagnosis = Diagnosis(cfg, grid, self.is_logger, self.log)  # what the spans show drags
+        self.actions = Actions(cfg, grid, self.is_logger, self.log)  # train.on_slow
+        self.exporter = Exporter(cfg, grid, self.is_logger)  # log.prometheus_port
         self.start_step = self.resume(restarted)
         self.metrics = self.guard = None
         self._open_records()

@@ -25,6 +25,7 @@ from threefold.distributed.runtime import (
     shutdown_distributed,
 )
 from threefold.errors import UserError
+from threefold.training import actions
 from threefold.training.signals import Stopped, StopSignals
 from threefold.training.trainer import Trainer
 
@@ -38,8 +39,8 @@ def crash_line(err: BaseException) -> str:
 def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
     """Entry point of every worker; returns the last step's metrics (rank 0's are reported), or
     with `measure_memory` every rank's memory rows (on rank 0) for `threefold memory`."""
-    cfg = Config.from_dict(cfg_dict)
     env = WorkerEnv.from_environ()
+    cfg = actions.planned_config(Config.from_dict(cfg_dict), env)  # a rebalance decided by an earlier attempt
     # Listening from the start: a Ctrl-C during start-up stops the run after its first step.
     stop = StopSignals.install(speaks=env.rank == 0) if threading.current_thread() is threading.main_thread() else None
     t, grid = cfg.train, None
@@ -79,6 +80,9 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
             print(err.line(), file=sys.stderr, flush=True)
         shutdown_distributed()
         sys.exit(err.exit_code)
+    except actions.LeaveRun as err:
+        # train.on_slow acted: every rank leaves this attempt the way the action needs.
+        actions.end_attempt(cfg, grid, env, err)
     except UserError as err:
         # A user mistake found only inside the worker: one line, exit 2, no traceback.
         print(f"threefold: error: {err}", file=sys.stderr, flush=True)
