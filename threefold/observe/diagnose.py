@@ -51,9 +51,14 @@ class ReportView:
 def _detectors(cfg, grid) -> list:
     """Every detector of this run, each with on_step(step, record) -> list[Finding] and
     on_report(view) -> list[Finding]."""
-    from threefold.observe import changepoint, layers, links
+    from threefold.observe import changepoint, layers, links, stages
 
-    found = (links.detector(cfg, grid), layers.detector(cfg, grid), changepoint.detector(cfg, grid))
+    found = (
+        links.detector(cfg, grid),
+        layers.detector(cfg, grid),
+        stages.detector(cfg, grid),
+        changepoint.detector(cfg, grid),
+    )
     return [d for d in found if d is not None]
 
 
