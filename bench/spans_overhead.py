@@ -7,7 +7,7 @@ the spans' marks, the per-step all-gather, spans.jsonl), after `--warmup` steps.
 one run of each; on / off is the median over rounds of the ratio of the two runs' median step
 times, with its 95% bootstrap interval (bench/stats.py). Overhead = that ratio - 1.
 
-    python bench/spans_overhead.py [--rounds 4] [--steps 20] [--warmup 4] [--trace] [-- --parallel.tp 2 ...]
+    python bench/spans_overhead.py [--rounds 4] [--steps 20] [--warmup 4] [--trace | --layers] [-- --parallel.tp 2 ...]
 
 --trace: spans on in both runs, log.trace_steps at its default ('auto': the last report step
 before the last) against '' (none). The traced step's recording lands in the interval ending at its
@@ -15,6 +15,10 @@ metrics line, and its gathers, replays and trace.json write in the next (a line'
 before them); so besides the median ratio it reports the traced step's own cost: those two
 intervals' sum less twice the run's median interval, on minus off, per round, as a median with its
 95% bootstrap interval. (Without --trace, the spans-on run has the default trace too.)
+
+--layers: spans on and the default trace in both runs, log.layer_times false against true: the
+cost of timing each layer's forward and backward on the traced step (observe/layers.py), as the
+median ratio and as the traced step's own cost, measured as --trace measures it.
 
 Default layout: tiny preset, tp2 x pp2 (4 processes), 1F1B over 4 micro-batches.
 """
@@ -85,12 +89,17 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--trace", action="store_true", help="spans on in both: log.trace_steps auto (the default) against ''"
     )
+    ap.add_argument(
+        "--layers", action="store_true", help="spans and the trace on in both: log.layer_times false against true"
+    )
     args = ap.parse_args(ours)
     if args.quick:
         args.rounds, args.steps, args.warmup = 2, 6, 2
     extra = extra or DEFAULT
     if args.trace:
         return trace_main(extra, args)
+    if args.layers:
+        return layers_main(extra, args)
     blocks = on_off_rounds(extra, "log.spans", args.rounds, args.steps, args.warmup)
     on_off = ratio(blocks, "on", "off")
     result = {"blocks": blocks, "rounds": args.rounds, "steps": args.steps, "config": " ".join(extra)}
@@ -109,19 +118,33 @@ def main(argv=None) -> dict:
 
 def trace_main(extra: list[str], args) -> dict:
     """The --trace comparison: the default one traced step against none, spans on in both."""
+    return traced_pair(extra, args, "log.trace_steps", ("", "auto"), "trace", ("trace off", "trace auto"))
+
+
+def layers_main(extra: list[str], args) -> dict:
+    """The --layers comparison: the default traced step with and without per-layer timing."""
+    names = ("layer times off", "layer times on")
+    return traced_pair(
+        [*extra, "--log.trace_steps", "auto"], args, "log.layer_times", ("false", "true"), "layer timing", names
+    )
+
+
+def traced_pair(extra: list[str], args, key: str, values: tuple[str, str], what: str, names: tuple[str, str]) -> dict:
+    """Spans on in both runs, `key` at values' off and on: the median ratio, and the traced
+    step's own cost (traced_cost)."""
     spans_on = [*extra, "--log.spans", "true"]
     step = traced_step(spans_on, args.steps)
-    blocks = on_off_rounds(spans_on, "log.trace_steps", args.rounds, args.steps, args.warmup, values=("", "auto"))
+    blocks = on_off_rounds(spans_on, key, args.rounds, args.steps, args.warmup, values=values)
     on_off, cost = ratio(blocks, "on", "off"), traced_cost(blocks, step, args.warmup)
     result = {"blocks": blocks, "rounds": args.rounds, "steps": args.steps, "config": " ".join(spans_on)}
     result["traced"], result["on_off"], result["traced_step_s"] = step, on_off, cost
     print(
-        f"{args.rounds} rounds (trace off/on, order alternating) x {args.steps} steps (auto traces step {step}), "
+        f"{args.rounds} rounds ({what} off/on, order alternating) x {args.steps} steps (auto traces step {step}), "
         f"the first {args.warmup} intervals of each run dropped; median [IQR] ms/step; on / off: median per-round "
         "ratio [95% bootstrap interval]; traced step: the two intervals holding its cost, summed, less twice the "
         "run's median interval, on minus off, median per-round difference in ms [95% bootstrap interval]\n"
     )
-    print("| run | trace off (ms/step) | trace auto (ms/step) | on / off | traced step (ms) |")
+    print(f"| run | {names[0]} (ms/step) | {names[1]} (ms/step) | on / off | traced step (ms) |")
     print("|---|---|---|---|---|")
     ms = f"{1e3 * cost.value:.1f} [{1e3 * cost.lo:.1f}, {1e3 * cost.hi:.1f}]"
     print(

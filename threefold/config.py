@@ -255,17 +255,34 @@ class LogConfig:
         "or fewer) in a job of at most 64 ranks: late, reporting anyway, clear of the final save; the first "
         "report has its timeline",
     )
+    layer_times: bool = knob(
+        True,
+        "On traced steps (log.trace_steps) also time each layer's forward and backward per rank: "
+        "layer_time_s in metrics.jsonl and the slow-layer finding (observe/layers.py)",
+    )
     bands: str = knob(
         "",
         "TOML [bands] of expected step shares per category (threefold report --write-bands): named when "
         "left, on report steps; needs log.spans",
     )
+    change_min: float = knob(
+        0.2,
+        "Smallest relative rise of step time the change-point detector names, with the step it started and "
+        "what moved (observe/changepoint.py); 0 = off",
+    )
+    slow_ratio: float = knob(
+        2.0,
+        "A pipeline pair or collective group whose wait, or a rank whose own time, exceeds this multiple of its "
+        "peers' median over a report window is named (slow link, rank or node: observe/links.py); 0 = off",
+    )
     tensorboard: bool = knob(False, "Also write the metrics as TensorBoard scalars into log.dir (needs tensorboard)")
     prometheus_port: int = knob(
         0,
-        "Serve step time, tokens/s, MFU, category shares and the diagnosis' findings for Prometheus on this "
-        "port of each node (its first rank; 0 = off; needs prometheus-client)",
+        "Serve step time, tokens/s, MFU, category shares and the diagnosis' findings for Prometheus at "
+        "http://<host>:<port + node index>/metrics, from each node's first rank (nodes sharing a host do not "
+        "collide); 0 = off; needs prometheus-client",
     )
+    prometheus_host: str = knob("0.0.0.0", "Address the Prometheus endpoint binds (127.0.0.1: this host only)")
 
 
 @dataclass

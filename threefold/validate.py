@@ -240,6 +240,9 @@ def validate_train(cfg: Config) -> None:
     _positive("train.preempt_grace_s", t.preempt_grace_s)
     _positive("train.nan_rollback_after", t.nan_rollback_after, allow_zero=True)
     _positive("train.straggler_steps", t.straggler_steps, allow_zero=True)
+    if t.on_slow not in ("warn", "exclude", "rebalance"):
+        raise ConfigError("train.on_slow", f"{t.on_slow!r} is not allowed", "valid: warn, exclude, rebalance")
+    _positive("train.on_slow_reports", t.on_slow_reports)
     if t.preflight not in ("auto", "on", "off"):
         raise ConfigError("train.preflight", f"{t.preflight!r} is not allowed", "valid: auto, on, off")
     if t.preflight_exclude and t.preflight == "off":
@@ -385,6 +388,15 @@ def validate_log(cfg: Config) -> None:
             "the tensorboard package is not installed",
             "pip install 'threefold[tensorboard]' or set log.tensorboard false",
         )
+    if not 0 <= log.change_min <= 10:
+        raise ConfigError("log.change_min", f"{log.change_min} is out of range", "a fraction such as 0.2, or 0 for off")
+    if log.slow_ratio != 0 and not 1 < log.slow_ratio <= 100:
+        raise ConfigError("log.slow_ratio", f"{log.slow_ratio} is out of range", "a multiple above 1, or 0 for off")
+    if not 0 <= log.prometheus_port <= 65535:
+        raise ConfigError("log.prometheus_port", f"{log.prometheus_port} is not a port", "1..65535, or 0 for none")
+    from threefold.observe.prometheus import require_client
+
+    require_client(log.prometheus_port)
 
 
 def validate_pipeline(cfg: Config) -> None:

@@ -10,14 +10,16 @@ from threefold.analysis.rundir import RunDirError, load_run
 from threefold.analysis.summary import summarize
 from threefold.errors import ConfigError
 
-USAGE = """threefold report RUN_DIR [--out DIR] [--no-plots] [--write-bands FILE] [--cluster.KEY V ...]
+USAGE = """threefold report RUN_DIR [--out DIR] [--no-plots] [--write-bands FILE] [--write-rules FILE]
+                        [--cluster.KEY V ...]
        threefold report RUN_A RUN_B
   one run: text summary and what to change next on stdout; loss.png, timeline.png, breakdown.png
   and report.html in --out (default RUN_DIR/report) when matplotlib is installed
   (pip install 'threefold[plots]'). --cluster.profile FILE (a calibrated profile, from
   threefold plan --calibrate) or other --cluster.* keys tell the planner the machine.
   --write-bands FILE: the run's step shares per category as bands that threefold train
-  --log.bands FILE checks a later run against.
+  --log.bands FILE checks a later run against, and the same bands as Prometheus alerting rules
+  (FILE's .rules.yml beside it, or --write-rules FILE) over the endpoint of log.prometheus_port.
   two runs: their breakdowns side by side, the biggest change, whether it is beyond the
   run-to-run noise, and the config differences."""
 
@@ -41,17 +43,37 @@ def prescriptions(run, summary: dict, cluster_pairs: list) -> str:
     return format_prescriptions(found, critical_rank(ranks) if ranks else None) + note
 
 
-def _write_bands(run, path: str) -> str:
-    from threefold.observe.bands import bands_from_run, write_bands
+def rules_for_s(run) -> float:
+    """How long a share stays out of its band before the alert fires: the report lines the
+    in-run check waits (bands.PERSIST, the first line starts the wait), at the run's median step
+    time and report interval."""
+    import statistics
+
+    from threefold.observe.bands import PERSIST
+
+    times = [m["step_time_s"] for m in run.steady(run.metrics) if m.get("step_time_s")]
+    interval = run.config.get("log", {}).get("interval", 10)
+    return (PERSIST - 1) * interval * statistics.median(times) if times else 0.0
+
+
+def _write_bands(run, path: str | None, rules: str | None) -> str:
+    from threefold.observe.bands import bands_from_run, rules_path, write_bands, write_rules
 
     bands = bands_from_run(run)
     if not bands:
         raise RunDirError(f"report: {run.path} has no spans to take bands from (train with --log.spans true)")
+    rules = rules or str(rules_path(path))
+    lines = []
     try:
-        write_bands(path, bands, f"expected step shares measured in {run.path} (threefold report --write-bands)")
+        if path:
+            write_bands(path, bands, f"expected step shares measured in {run.path} (threefold report --write-bands)")
+            lines.append(f"wrote bands of {len(bands)} categories to {path}: threefold train --log.bands {path}")
+        comment = f"threefold's bands measured in {run.path}, as alerts on log.prometheus_port's endpoint"
+        write_rules(rules, bands, rules_for_s(run), comment)
     except OSError as err:
-        raise RunDirError(f"report: cannot write {path} ({err.strerror or err})") from None
-    return f"wrote bands of {len(bands)} categories to {path}: threefold train --log.bands {path}"
+        raise RunDirError(f"report: cannot write {err.filename or path} ({err.strerror or err})") from None
+    lines.append(f"wrote them as Prometheus alerting rules to {rules}: rule_files in prometheus.yml")
+    return "\n".join(lines)
 
 
 def preflight_text(run_dir: Path) -> str | None:
@@ -80,6 +102,9 @@ def report_command(argv: list[str]) -> int:
     ap.add_argument(
         "--write-bands", metavar="FILE", help="write the run's measured step shares as bands for train's log.bands"
     )
+    ap.add_argument(
+        "--write-rules", metavar="FILE", help="where the bands' Prometheus alerting rules go (default: FILE.rules.yml)"
+    )
     from threefold.planner.cluster import split_cluster_args
 
     argv, cluster_pairs = split_cluster_args(argv)
@@ -101,8 +126,8 @@ def report_command(argv: list[str]) -> int:
         text += "\n" + preflight
     if summary["breakdown"]:
         text += "\n" + prescriptions(run, summary, cluster_pairs)
-    if args.write_bands:
-        text += "\n" + _write_bands(run, args.write_bands)
+    if args.write_bands or args.write_rules:
+        text += "\n" + _write_bands(run, args.write_bands, args.write_rules)
     print(text)
     if args.no_plots:
         return 0

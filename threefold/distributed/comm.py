@@ -208,14 +208,15 @@ class Group:
 
 @contextlib.contextmanager
 def unrecorded(group: Group):
-    """Communication on `group` that measures rather than trains (a replay, a probe): left out of
-    group.stats, its spans and its p2p log, which are as they were afterwards."""
-    saved = group.stats, group.spans, group.p2p_log
-    group.stats, group.spans, group.p2p_log = CommStats(), None, None
+    """Communication on `group` that measures rather than trains (a replay, a probe, the
+    observer's own report): left out of group.stats, its spans, its p2p log and its LinkTimes,
+    which are as they were afterwards."""
+    saved = group.stats, group.spans, group.p2p_log, group.link
+    group.stats, group.spans, group.p2p_log, group.link = CommStats(), None, None, None
     try:
         yield
     finally:
-        group.stats, group.spans, group.p2p_log = saved
+        group.stats, group.spans, group.p2p_log, group.link = saved
 
 
 def nbytes(x: torch.Tensor) -> int:

@@ -6,6 +6,10 @@ ones that act on its probes). Parsed here, on the floor of the comm layer, becau
     slowlink:ranks=A-B:ms=X    every exchange between ranks A and B waits X ms more, point to
                                point or inside a group collective they share
     slowdevice:rank=R:factor=F the node probe's kernels and training compute on rank R run F x slower
+    slowlayer:layer=L:factor=F the transformer layer with global index L runs F x slower (its forward
+                               and backward), on every rank that holds it (or :rank=R only), from step 0 (or :step=S on)
+    hotexpert:layer=L:expert=E MoE layer L routes every token to expert E first (its input shifted
+                               along the expert's router row), on every rank (or :rank=R only)
     stack:rank=R:KEY=VALUE     rank R's stack fingerprint reports VALUE for KEY
 """
 
@@ -27,11 +31,14 @@ KINDS = {
     "corrupt": ({"step"}, {"file"}),
     "slowlink": ({"ranks", "ms"}, set()),
     "slowdevice": ({"rank", "factor"}, set()),
+    "slowlayer": ({"layer", "factor"}, {"rank", "step"}),
+    "hotexpert": ({"layer", "expert"}, {"rank"}),
     "stack": ({"rank"}, set()),  # plus any KEY=VALUE of the fingerprint
 }
 VALID = (
     "e.g. kill:rank=1:step=5, hang:rank=0:step=3, slow:rank=1:factor=3, nan:step=4:count=2, corrupt:step=4, "
-    "slowlink:ranks=1-2:ms=20, slowdevice:rank=1:factor=3, stack:rank=1:nccl=2.28.9"
+    "slowlink:ranks=1-2:ms=20, slowdevice:rank=1:factor=3, slowlayer:layer=3:factor=3, hotexpert:layer=1:expert=0, "
+    "stack:rank=1:nccl=2.28.9"
 )
 
 
@@ -46,6 +53,10 @@ class Fault:
     ranks: tuple[int, int] | None = None
     """slowlink: the two ranks whose exchanges are delayed."""
     ms: float = 0.0
+    layer: int | None = None
+    """slowlayer, hotexpert: the global index of the transformer layer."""
+    expert: int = 0
+    """hotexpert: the expert every token is routed to first."""
     stack: tuple[tuple[str, str], ...] = ()
     """stack: the (key, value) pairs the fingerprint reports instead."""
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from threefold.config import Config
-from threefold.distributed import comm
+from threefold.distributed import comm, hang
 from threefold.distributed.grid import RankLayout
 from threefold.errors import ConfigError
 
@@ -81,6 +81,9 @@ def init_distributed(device: torch.device, timeout_s: float) -> WorkerEnv:
     workers would otherwise read the dead attempt's stale gloo keys and fail to connect.
     """
     env = WorkerEnv.from_environ()
+    # torch's flight recorder (a ring of hang.FR_ENTRIES collectives per process; its cost is
+    # within the noise of a 25 us gloo call) for a hang's attribution; a user's setting wins.
+    os.environ.setdefault(hang.FR_ENV, str(hang.FR_ENTRIES))
     comm.join(
         "nccl" if device.type == "cuda" else "gloo",
         device,

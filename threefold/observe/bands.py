@@ -18,10 +18,17 @@ jump: measured, one line in six of a clean run) with the first report step it le
 The alerts go into the metrics line
 (`band_alerts`, [] when all is in band) and onto stderr once per excursion; `threefold report`
 shows them. The first report window, which holds the start-up step, is not checked.
+
+The same bands, written as a Prometheus alerting-rules file (`rules_yaml`; --write-bands writes
+FILE's .rules.yml beside FILE), check the endpoint of observe/prometheus.py where the cluster's
+monitoring already looks: one alert per category, ThreefoldBand_<category>, while
+threefold_category_share leaves share +- width for `for` (the report lines the in-run check
+waits), and ThreefoldFinding while the in-run diagnosis names a link, rank, node, layer or change.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,5 +166,81 @@ def write_bands(path: str | Path, bands: dict[str, Band], comment: str = "") -> 
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(bands_toml(bands, comment), encoding="utf-8")
+    tmp.replace(p)
+    return p
+
+
+def _quoted(text: str) -> str:
+    """A single-quoted YAML scalar: no escapes but the doubled quote, so PromQL's double quotes
+    and the templates' braces pass as they are."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _duration(seconds: float) -> str:
+    return f"{max(0, math.ceil(seconds))}s"
+
+
+def band_expr(name: str, band: Band) -> str | None:
+    """PromQL true while the category's share is outside its band; None for a band that no
+    share (0..1) can leave."""
+    series = f'threefold_category_share{{category="{name}"}}'
+    lo, hi = band.share - band.width, band.share + band.width
+    parts = ([f"{series} > {hi:.6g}"] if hi < 1 else []) + ([f"{series} < {lo:.6g}"] if lo > 0 else [])
+    return " or ".join(parts) or None
+
+
+def rules_yaml(bands: dict[str, Band], for_s: float = 0.0, comment: str = "") -> str:
+    """A Prometheus alerting-rules file (promtool check rules accepts it) for `bands`: alert
+    ThreefoldBand_<category> once the share has been outside its band for `for_s` seconds, and
+    ThreefoldFinding while threefold_finding names something."""
+    lines = [f"# {line}" for line in comment.splitlines()]
+    lines += ["groups:", "  - name: threefold_bands", "    rules:"]
+    for name, band in bands.items():
+        expr = band_expr(name, band)
+        if expr is None:
+            continue
+        expected = f"{100 * band.share:.3g}%+-{100 * band.width:.3g}%"
+        lines += [
+            f"      - alert: ThreefoldBand_{name}",
+            f"        expr: {_quoted(expr)}",
+            f"        for: {_duration(for_s)}",
+            "        labels:",
+            "          severity: 'warning'",
+            f"          category: {_quoted(name)}",
+            "        annotations:",
+            f"          summary: {_quoted(f'threefold: {name} left its band ({expected} of the step)')}",
+            "          description: "
+            + _quoted(
+                f"{name} is {{{{ $value | humanizePercentage }}}} of the step on {{{{ $labels.instance }}}} "
+                f"vs expected {expected}: {HINTS.get(name, '')}"
+            ),
+        ]
+    lines += [
+        "  - name: threefold_findings",
+        "    rules:",
+        "      - alert: ThreefoldFinding",
+        f"        expr: {_quoted('threefold_finding > 0')}",
+        "        labels:",
+        "          severity: 'warning'",
+        "        annotations:",
+        f"          summary: {_quoted('threefold names {{ $labels.kind }}: {{ $labels.key }}')}",
+        "          description: "
+        + _quoted("the in-run diagnosis on {{ $labels.instance }} names {{ $labels.kind }} {{ $labels.key }}"),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def rules_path(bands_path: str | Path) -> Path:
+    """Where --write-bands FILE puts the rules: FILE with .rules.yml for its suffix."""
+    p = Path(bands_path)
+    return p.with_name(p.stem + ".rules.yml" if p.suffix else p.name + ".rules.yml")
+
+
+def write_rules(path: str | Path, bands: dict[str, Band], for_s: float = 0.0, comment: str = "") -> Path:
+    """rules_yaml into `path`, whole or not at all."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(rules_yaml(bands, for_s, comment), encoding="utf-8")
     tmp.replace(p)
     return p

@@ -1,5 +1,411 @@
-"""PLACEHOLDER (helper H3 replaces this file): the change-point detector."""
+"""When the run changed: CUSUM change points over step time and each category's share.
+
+    det = detector(cfg, grid)          # rank 0's diagnosis builds it (observe/diagnose.py)
+    det.on_step(step, record)          # every step: rank 0's step_time_s
+    det.on_report(view)                # report steps: every rank's means since the last report
+
+Step time. Past start-up (SKIP steps) a window of WARMUP steps gives the level and noise, robustly
+(median, MAD); then EWMAs follow them while the run is in control. Each step's deviation in noise
+units, clipped at CLIP (one save, evaluation or hiccup adds at most CLIP - K < H), feeds an upward
+CUSUM with allowance K; past H the change is dated at the step after the sum last left zero (the
+classic CUSUM change-time estimate, Page 1954). It is named only if the two report windows after
+that date both run log.change_min (relative) above the level before: a burst of another job on a
+shared host rarely lasts two windows (one of ten steps did in a clean run here). Named or not, the
+new pace becomes the level. Nor is a rise named that the windows show spread over every rank and
+category in proportion to the step before (another job's load on a shared host; a slower clock on
+every device): nothing in where the time goes moved, so there is nothing to name, and on this
+project's shared CPU hosts it is what a clean run's noise looks like.
+
+Attribution (attribute): every rank's seconds per category in the last report window before the
+date against the first window after it. A rank whose own work (spans.OWN) grew by half the step's
+growth more than its peers' did is the cause: its own category that grew most, and the peers'
+wait ("other on rank 1 ...; its peers wait in optimizer"). Otherwise the category that grew most
+on the median rank, its group, and the rank where it grew most with, from the rows' `links`
+(observe/links.py), the group or pipeline peer whose time grew most there.
+
+Shares. Per report window each category's share of the step (mean over ranks) runs through an
+upward CUSUM of its own, its level and noise learned from the first windows past start-up or,
+with log.bands, the band's (centre, half the width as noise, the width as the least rise named).
+A share that rises by SHARE_MIN for two windows with no step-time change near it is named on its
+own ("dp_exposed 4% -> 28% of the step since step 300").
+
+State: O(1) per series (level, scale, sum, date, a bounded buffer of step times); the report work
+is O(world) on rank 0, on report steps only.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from threefold.observe.findings import Finding
+from threefold.observe.spans import CATEGORIES, OWN
+
+SKIP = 3
+"""Start-up steps never learned from: step 1 compiles, the next ones still warm allocator and caches."""
+WARMUP = 12
+"""Steps (after SKIP) whose median and MAD are the first level and noise of step time."""
+K = 1.0
+"""CUSUM allowance in noise units: shifts of about 2 noise units or more accumulate."""
+H = 8.0
+"""CUSUM decision threshold in noise units: at least three slow steps in a row at the clip."""
+CLIP = 4.0
+"""Largest deviation one step may add (noise units): one outlier step cannot alarm alone."""
+SCALE_FLOOR = 0.03
+"""Noise is at least this fraction of the level: a very steady warm-up must not make 1% drifts alarms."""
+ALPHA = 0.05
+"""EWMA weight of an in-control step in the level and the noise (about the last 20 steps)."""
+MIN_AFTER = 3
+"""Fewest steps of a confirming window (their median against the level before the date)."""
+KEEP = 64
+"""Most recent step times kept for the confirmation: bounded state, whatever the run's length."""
+CHANGE_MIN = 0.2
+"""log.change_min's default: the least relative rise of step time named (a busy shared host moves a
+clean run's step time by 10% between windows, and a burst by more, rarely for two windows)."""
+SHARE_MIN = 0.20
+"""Smallest rise of a category's share (of the step, absolute) named on its own, without bands. On
+this project's shared 2-core hosts a clean dp2 run's dp_exposed share moves 3% <-> 23% between
+windows for two or three windows at a time (the ranks drift apart when another job takes a core)."""
+SHARE_WARMUP = 3
+"""Report windows after the first (which holds start-up) whose median is a share's level."""
+SHARE_SCALE_FLOOR = 0.02
+"""A share's noise is at least two points of the step."""
+SHARE_H = 5.0
+"""Share CUSUM threshold in noise units (windows average several steps: less noisy than steps)."""
+VIEWS = 6
+"""Report views kept for the before/after comparison."""
+WAIT_DIM = {"tp_comm": "tp", "cp_comm": "cp", "pp_p2p": "pp", "pp_bubble": "pp", "dp_exposed": "dp", "ep_a2a": "ep"}
+"""The group dimension whose communication each waiting category times."""
 
 
-def detector(cfg, grid):
-    return None
+class Cusum:
+    """One-sided upward CUSUM of deviations in noise units; remembers where it last left zero."""
+
+    def __init__(self, k: float = K, h: float = H, clip: float = CLIP):
+        self.k, self.h, self.clip = k, h, clip
+        self.s = 0.0
+        self.zero_at = 0
+        """The last index at which the sum was zero: the change is dated at the next one."""
+
+    def update(self, index: int, z: float) -> bool:
+        """Add deviation `z` seen at `index`; True while the sum is past the threshold."""
+        self.s = max(0.0, self.s + min(z, self.clip) - self.k)
+        if self.s == 0.0:
+            self.zero_at = index
+        return self.s > self.h
+
+    def reset(self, index: int) -> None:
+        self.s, self.zero_at = 0.0, index
+
+
+class Level:
+    """A series' robust level and noise: median and MAD of a warm-up window, then EWMAs of the
+    value and of its absolute deviation while the series is in control."""
+
+    def __init__(self, warmup: int, floor: float, relative: bool):
+        self.warmup, self.floor, self.relative = warmup, floor, relative
+        self.seen: list[float] = []  # the warm-up window only: bounded by `warmup`
+        self.level: float | None = None
+        self.scale = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.level is not None
+
+    def set(self, level: float, scale: float) -> None:
+        self.level, self.scale, self.seen = level, scale, []
+
+    def learn(self, x: float) -> None:
+        """One warm-up value; the level is set once the window is full."""
+        self.seen.append(x)
+        if len(self.seen) >= self.warmup:
+            med = statistics.median(self.seen)
+            mad = statistics.median(abs(v - med) for v in self.seen)
+            self.set(med, 1.4826 * mad)
+
+    def noise(self) -> float:
+        floor = self.floor * abs(self.level) if self.relative else self.floor
+        return max(self.scale, floor, 1e-12)
+
+    def z(self, x: float) -> float:
+        return (x - self.level) / self.noise()
+
+    def follow(self, x: float) -> None:
+        """An in-control value moves the level and the noise a little (drift is not a change)."""
+        dev = min(abs(x - self.level), CLIP * self.noise())  # an outlier does not inflate the noise
+        self.level += ALPHA * (x - self.level)
+        self.scale += ALPHA * (1.2533 * dev - self.scale)  # E|x - mean| is 0.80 sigma for a normal
+
+
+def _share_rows(view) -> dict[str, float]:
+    """Each category's share of the step, the mean over ranks of the report window."""
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    n = 0
+    for row in view.ranks:
+        wall = row.get("wall_s") or sum(row["time_s"].values())
+        if wall <= 0:
+            continue
+        n += 1
+        for c in CATEGORIES:
+            out[c] += row["time_s"].get(c, 0.0) / wall
+    return {c: v / n for c, v in out.items()} if n else {}
+
+
+def _median(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else 0.0
+
+
+def _moved_link(rank: int, new: dict, old: dict) -> str:
+    """The group or pipeline peer whose communication time grew most on `rank`, from the rows'
+    `links` (observe/links.py's links_of); '' without them or when none grew."""
+    a, b = new.get("links") or {}, old.get("links") or {}
+    grown = {
+        f"{g} collectives": v - b.get("collective_s", {}).get(g, 0.0) for g, v in (a.get("collective_s") or {}).items()
+    }
+    for side, (src, dst) in (("pp_prev", (a.get("pp_prev"), rank)), ("pp_next", (rank, a.get("pp_next")))):
+        if a.get(side) is not None:
+            grown[f"link pp rank {src} -> {dst}"] = a.get(f"{side}_s", 0.0) - b.get(f"{side}_s", 0.0)
+    best = max(grown, key=grown.get, default="")
+    return best if best and grown[best] > 0 else ""
+
+
+def _where(rank: int, layout) -> str:
+    """A rank with its coordinates in the dimensions the layout has ("rank 5 (tp 1, pp 1)")."""
+    if layout is None:
+        return f"rank {rank}"
+    coords = layout.coords(rank)
+    parts = [f"{d} {coords[d]}" for d in ("tp", "cp", "pp", "dp") if getattr(layout, d, 1) > 1]
+    return f"rank {rank} ({', '.join(parts)})" if parts else f"rank {rank}"
+
+
+def attribute(before, after) -> dict:
+    """What moved between two report views (observe/diagnose.py's ReportView), from every rank's
+    seconds per category per step: {"category", "rank", "text", "moved_s", "concentrated", and
+    "wait" (the peers' waiting category) or "group" (the dimension of a moved wait)}; {} when they
+    share no rank. `concentrated`: one rank's own work, or one category beyond its share of the
+    step before, took at least half the growth; False for a step that grew alike everywhere (a
+    busier host or a slower clock on every device: where the time goes did not change)."""
+    old = {row["rank"]: row for row in before.ranks}
+    pairs = [(row, old[row["rank"]]) for row in after.ranks if row["rank"] in old]
+    if not pairs:
+        return {}
+    layout = getattr(after, "layout", None)
+    delta = {
+        new["rank"]: {c: new["time_s"].get(c, 0.0) - was["time_s"].get(c, 0.0) for c in CATEGORIES}
+        for new, was in pairs
+    }
+    rows = {new["rank"]: (new, was) for new, was in pairs}
+    grown = _median(new.get("wall_s", 0.0) - was.get("wall_s", 0.0) for new, was in pairs)
+    own = {rank: sum(d[c] for c in OWN) for rank, d in delta.items()}
+    top = max(own, key=own.get)
+    peers = [d for rank, d in delta.items() if rank != top]
+    waits = [c for c in CATEGORIES if c not in OWN]
+    if grown > 0 and own[top] - _median(own[r] for r in own if r != top) >= 0.5 * grown:
+        # One rank's own work grew: it is the cause, the others only wait for it.
+        category = max(OWN, key=lambda c: delta[top][c])
+        moved = delta[top][category]
+        text = f"{category} on {_where(top, layout)} ({moved * 1e3:+.0f} ms a step)"
+        wait = max(waits, key=lambda c: _median(d[c] for d in peers)) if peers else ""
+        if wait and _median(d[wait] for d in peers) > 0.25 * grown:
+            text += f"; its peers wait in {wait}"
+        else:
+            wait = ""
+        return {"category": category, "rank": top, "text": text, "moved_s": moved, "wait": wait, "concentrated": True}
+    category = max(CATEGORIES, key=lambda c: _median(d[c] for d in delta.values()))
+    rank = max(delta, key=lambda r: delta[r][category])
+    moved = delta[rank][category]
+    share_before = _median(was["time_s"].get(category, 0.0) / (was.get("wall_s") or 1.0) for _, was in pairs)
+    took = _median(d[category] for d in delta.values()) / grown if grown > 0 else 0.0
+    # Alike everywhere, each category grows by its share of the step; a change grows one more.
+    concentrated = took - share_before >= 0.5 * (1 - share_before)
+    dim = WAIT_DIM.get(category, "")
+    text = f"{category}"
+    if dim and layout is not None and getattr(layout, dim, 1) > 1:
+        members = layout.group_of(rank, ("ep", "dp") if dim == "dp" else (dim,))
+        shown = ", ".join(map(str, members)) if len(members) <= 4 else f"{members[0]}, ... {len(members)} ranks"
+        text += f" on {dim} group [{shown}]"
+    link = _moved_link(rank, *rows[rank])
+    text += f" ({link})" if link else f" ({_where(rank, layout)}, {moved * 1e3:+.0f} ms a step)"
+    out = {"category": category, "rank": rank, "text": text, "moved_s": moved, "group": dim, "link": link}
+    return out | {"concentrated": concentrated}
+
+
+class ShareSeries:
+    """One category's share of the step, one value per report window: an upward CUSUM (a
+    category taking more of the step is what costs; one taking less is named by the one that
+    rose, as shares sum to one)."""
+
+    def __init__(self, band=None):
+        self.level = Level(SHARE_WARMUP, SHARE_SCALE_FLOOR, relative=False)
+        self.least = SHARE_MIN
+        if band is not None:  # the tuned run's expectation: centre, half the width as noise, and
+            self.level.set(band.share, band.width / 2)  # outside the band as the least rise named
+            self.least = band.width
+        self.cusum = Cusum(K, SHARE_H)
+        self.last: float | None = None
+
+    def update(self, step: int, start: int, share: float) -> tuple[int, float] | None:
+        """The window of steps `start`..`step`; (the change's first step, the level before) when the
+        share has risen by SHARE_MIN (or out of its band) for two windows in a row and the CUSUM
+        says it is no noise."""
+        last, self.last = self.last, share
+        if last is None:  # the first window checked: a change dates from its start at the earliest
+            self.cusum.reset(start - 1)
+        if not self.level.ready:
+            self.level.learn(share)
+            self.cusum.reset(step)
+            return None
+        z = self.level.z(share)
+        alarm = self.cusum.update(step, z)
+        risen = all(v - self.level.level >= self.least for v in (share, share if last is None else last))
+        if not (alarm and risen):
+            if self.cusum.s <= SHARE_H / 2 and z < CLIP:
+                self.level.follow(share)
+            return None
+        found = (self.cusum.zero_at + 1, self.level.level)
+        self.level.set(share, self.level.scale)  # the new share is the level: not a change again
+        self.cusum.reset(step)
+        return found
+
+
+class ChangeDetector:
+    """Rank 0's change points of one attempt (observe/diagnose.py calls it)."""
+
+    def __init__(
+        self, change_min: float = CHANGE_MIN, bands: dict | None = None, spans: bool = True, interval: int = 10
+    ):
+        self.change_min, self.spans, self.interval = change_min, spans, interval
+        self.level = Level(WARMUP, SCALE_FLOOR, relative=True)
+        self.cusum = Cusum()
+        self.recent: deque[tuple[int, float]] = deque(maxlen=KEEP)  # (step, seconds)
+        self.pending: int | None = None
+        """The date of a step-time alarm not confirmed yet."""
+        self.first: tuple | None = None
+        """(its first window's view, the window's end) once that window held the rise."""
+        self.views: deque = deque(maxlen=VIEWS)
+        self.shares = {c: ShareSeries((bands or {}).get(c)) for c in CATEGORIES}
+        self.dates: deque[int] = deque(maxlen=8)  # the step-time changes named: their dates
+
+    def on_step(self, step: int, record: dict) -> list[Finding]:
+        """`step` counts from 1. Steps with a held-out evaluation are not the run's pace."""
+        x = record.get("step_time_s")
+        if not isinstance(x, (int, float)) or not x > 0 or step <= SKIP or "val_loss" in record:
+            return []
+        self.recent.append((step, float(x)))
+        if not self.level.ready:
+            self.level.learn(x)
+            self.cusum.reset(step)
+            return []
+        alarm = self.cusum.update(step, self.level.z(x))
+        if self.cusum.s == 0.0:
+            self.pending = self.first = None  # back in control before it was confirmed: a burst
+        elif alarm and self.pending is None:
+            self.pending = self.cusum.zero_at + 1
+        if self.pending is None and self.cusum.s <= H / 2 and self.level.z(x) < CLIP:
+            self.level.follow(x)  # not while a change may be under way, nor from a slow outlier
+        if not self.spans and self.pending is not None and self._window_done(step, self.interval):
+            return self._confirm(step, None)  # without spans no report view comes: confirm here
+        return []
+
+    def _window_done(self, step: int, steps: int) -> bool:
+        """Whether the window ending at `step` lies after the pending date (its first or second)."""
+        first = self.first[1] if self.first else self.pending - 1
+        return step - first >= max(MIN_AFTER, steps)
+
+    def on_report(self, view) -> list[Finding]:
+        """A report step's view: confirm and attribute a step-time change, then the shares."""
+        found = []
+        if self.pending is not None and self._window_done(view.step, view.steps):
+            found += self._confirm(view.step, view)
+        self.views.append(view)
+        if view.step - view.steps + 1 > 1:  # the first window holds start-up
+            found += self._shares(view)
+        return found
+
+    def _confirm(self, step: int, view) -> list[Finding]:
+        """A window after the pending date ends at `step`: the first of two that must both run
+        log.change_min above the level before (a burst of another job rarely lasts two), then the
+        second, which names the change."""
+        since, was = self.pending, self.level.level
+        start = self.first[1] + 1 if self.first else since
+        pace = _median(x for s, x in self.recent if start <= s <= step)
+        if pace / was - 1 >= self.change_min and self.first is None:
+            self.first = (view, step)
+            return []
+        first_view = self.first[0] if self.first else None
+        self.pending = self.first = None
+        after = _median(x for s, x in self.recent if s >= since)
+        rel = after / was - 1
+        # The pace now is the level from here on, named or not: it is not a change again.
+        self.level.set(pace, self.level.scale * pace / was)
+        self.cusum.reset(step)
+        if pace / was - 1 < self.change_min:
+            return []
+        self.dates.append(since)
+        text = f"step time {rel:+.0%} since step {since:,} ({was * 1e3:.0f} -> {after * 1e3:.0f} ms)"
+        before = next((v for v in reversed(self.views) if v.step < since), None)
+        moved = attribute(before, first_view) if before is not None and first_view is not None else {}
+        if moved and not moved["concentrated"]:
+            return []  # the same step, slower alike everywhere: nothing moved to name (see above)
+        if moved:
+            text += f": {moved['text']}"
+        return [
+            Finding(
+                kind="change",
+                key=f"step_time@{since}",
+                text=text,
+                step=step,
+                since=since,
+                ranks=(moved["rank"],) if moved else (),
+                group=moved.get("group", ""),
+                category=moved.get("category", ""),
+                value=rel,
+                baseline=was,
+                extra={k: moved[k] for k in ("moved_s", "wait", "link") if moved.get(k)} | {"step_time_s": after},
+            )
+        ]
+
+    def _shares(self, view) -> list[Finding]:
+        """The share that moved most in this window, if any did (the others moved with it: a
+        share rises as the others fall); none when the step time changed near its date."""
+        moves = {}
+        for category, share in _share_rows(view).items():
+            moved = self.shares[category].update(view.step, view.step - view.steps + 1, share)
+            if moved is not None:
+                moves[category] = (*moved, share)
+        if not moves:
+            return []
+        category = max(moves, key=lambda c: abs(moves[c][2] - moves[c][1]))
+        since, was, share = moves[category]
+        # A share that moved with the step time is that change's attribution, already named.
+        if self.pending is not None or any(abs(d - since) <= 2 * view.steps for d in self.dates):
+            return []
+        also = {c: round(m[2] - m[1], 4) for c, m in moves.items() if c != category}
+        return [
+            Finding(
+                kind="change",
+                key=f"{category}@{since}",
+                text=f"{category} {was:.0%} -> {share:.0%} of the step since step {since:,}",
+                step=view.step,
+                since=since,
+                category=category,
+                value=share - was,
+                baseline=was,
+                extra={"also": also} if also else {},
+            )
+        ]
+
+
+def detector(cfg, grid) -> ChangeDetector | None:
+    """The change-point detector of this run; None with log.change_min 0 (off)."""
+    log = cfg.log
+    change_min = getattr(log, "change_min", CHANGE_MIN)
+    if change_min <= 0:
+        return None
+    bands = None
+    if getattr(log, "bands", ""):
+        from threefold.observe.bands import read_bands
+
+        bands = read_bands(log.bands)
+    return ChangeDetector(change_min, bands, spans=bool(log.spans), interval=log.interval)

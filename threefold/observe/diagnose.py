@@ -35,8 +35,8 @@ class ReportView:
     """How many steps the rows average."""
     ranks: list[dict]
     """Per rank (spans.jsonl's rows): rank, tp/pp/dp/ep coordinates, wall_s, time_s per category,
-    comm_bytes, comm_calls, and `links` (observe/links.py: per-group collective seconds and
-    per-peer point-to-point seconds), all per step."""
+    comm_bytes, comm_calls, and `links` (observe/links.links_of: {"collective_s": {group: s},
+    "pp_prev_s": s, "pp_next_s": s, "pp_prev": rank | None, "pp_next": rank | None}), all per step."""
     layout: object
     """The RankLayout (coords(r), group lists, world size)."""
     record: dict

@@ -10,6 +10,10 @@
     skipped_s      steps taken but not applied (NaN/Inf, fp16 overflow)
     other_s        the rest: start-up of the first attempt, logging, data set-up
 
+A restart that train.on_slow caused (excluding a node, rebalancing the pipeline) is a failure
+here like any other: its faults.jsonl record (kind on_slow_exclude / on_slow_rebalance) dates it,
+and the summary counts them as `actions`.
+
 MTTR of a failure is measured from the failure to the end of the first new step. A fault
 injected by threefold.training.faults records its exact time in faults.jsonl; for a real failure
 the end of the last completed step stands in for it (an over-estimate by < one step).
@@ -29,6 +33,9 @@ from threefold.atomic import atomic_write
 
 FAULTS = "faults.jsonl"
 SUMMARY = "goodput.json"
+ACTION_PREFIX = "on_slow_"
+"""faults.jsonl's kind of a restart train.on_slow caused (training/actions.py): counted as a
+failure (its lost and recovery time), and in the summary's `actions`."""
 
 
 def record_fault(log_dir: str | Path, rank: int, kind: str, step: int) -> None:
@@ -77,11 +84,11 @@ class Goodput:
         self.failures: list[dict] = []
         self.prev: dict | None = None
         self.previous_counters: dict = {}  # the last record's run-long counters (skipped steps ...)
-        self._faults: list[float] = []
+        self._faults: list[tuple[float, str]] = []  # (time, kind) of each recorded failure
         if not enabled:
             return
         # Fault times of older runs in the same directory never fall between this run's steps.
-        self._faults = sorted(f["time"] for f in _read_lines(self.dir / FAULTS))
+        self._faults = sorted((f["time"], f.get("kind", "")) for f in _read_lines(self.dir / FAULTS))
         if continuing:
             summary = self.dir / SUMMARY
             try:
@@ -104,7 +111,9 @@ class Goodput:
         prev = self.prev
         if prev is not None and rec.get("segment") != prev.get("segment"):
             # A failure between prev and rec: steps from rec's on were computed before and are redone.
-            failed_at = next((t for t in self._faults if prev["time"] <= t <= rec["time"]), prev["time"])
+            failed_at, cause = next(
+                ((t, kind) for t, kind in self._faults if prev["time"] <= t <= rec["time"]), (prev["time"], "")
+            )
             mttr = rec["time"] - failed_at
             redone = [s for s in self.productive if s >= step] + [s for s in self.skipped if s >= step]
             lost = sum(self.productive.pop(s, 0.0) + self.skipped.pop(s, 0.0) for s in redone)
@@ -116,6 +125,8 @@ class Goodput:
                 "lost_steps": len(redone),
                 "mttr_s": mttr,
             }
+            if cause:  # an injected fault, or a restart train.on_slow caused (on_slow_exclude ...)
+                failure["cause"] = cause
             self.failures.append(failure)
             out.update(mttr_s=mttr, lost_steps=len(redone))
         (self.skipped if rec.get("step_skipped") else self.productive)[step] = step_time
@@ -145,6 +156,7 @@ class Goodput:
             "steps_kept": len(self.productive),
             "failures": self.failures,
             "mttr_s_mean": sum(mttrs) / len(mttrs) if mttrs else None,
+            "actions": sum(f.get("cause", "").startswith(ACTION_PREFIX) for f in self.failures),
         }
 
     def write(self) -> None:

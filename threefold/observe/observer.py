@@ -15,7 +15,9 @@ step by step, on the host. On report steps (every log.interval steps, the last s
 one gather brings every rank's per-step means since the last report to the logging rank (O(world)
 bytes there, rarely; O(1) on every other rank), which writes their mean and max into metrics.jsonl
 (`time_s`, `comm_bytes`, `comm_calls`, over `span_steps` steps) and every rank's detail into
-spans.jsonl (`steps`: how many steps the line averages). The observer's own gathers fall between
+spans.jsonl (`steps`: how many steps the line averages), with its `links`: the seconds per step it
+spent in each group's collectives and with each pipeline neighbour (observe/links.py), a fixed
+number of columns whatever the world size. The observer's own gathers fall between
 two steps and are counted in neither. On the steps in log.trace_steps the ranks' spans go to the
 logging rank (one gather of Python objects) and into trace.json, and the blocking cost of the
 step's data-parallel collectives is measured by replaying them (`dp_comm_serial_s`), and so is
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 
 from threefold.distributed import comm
+from threefold.observe.links import LinkClock, links_of, pipeline_neighbours
 from threefold.observe.spans import CATEGORIES, SpanRecorder
 from threefold.observe.trace import TraceFile
 
@@ -108,6 +111,15 @@ class StepObserver:
         self._groups = [getattr(grid, name, None) for name in GROUPS]
         self._groups[GROUPS.index("dp")] = getattr(grid, "dp_cp", None) or getattr(grid, "dp", None)
         self._counts0 = [0] * (2 * len(GROUPS))
+        # Per-group and per-pipeline-neighbour communication seconds (observe/links.py): the
+        # row's last columns, what the slow-link detector compares.
+        if self.recorder is None:
+            LinkClock.detach(grid)
+            self.links = None
+        else:
+            self.links = LinkClock(
+                self._groups, GROUPS, getattr(grid, "pp", None), getattr(grid, "global_rank", 0), self.device
+            )
         self._step = 0
         self._detail = None
         self._trace = None
@@ -182,6 +194,7 @@ class StepObserver:
         serial = engine.time_serial_comm(repeats=1) if tracing and engine is not None else 0.0
         cp_serial, cp_own = self._replay_cp() if tracing else (0.0, -1.0)
         counts = [now - then for now, then in zip(self._counts(), self._counts0)]  # bytes..., calls...
+        self.links.end_step(flush=report or tracing)
         mine = [0.0, serial, cp_serial, 0.0, cp_own, *([0.0] * len(CATEGORIES)), *counts]
         for timeline in timelines:
             mine[0] += timeline.wall_s
@@ -191,13 +204,19 @@ class StepObserver:
         self._steps_summed += 1
         if not (report or tracing):
             return {}
-        n, means = self._steps_summed, torch.tensor(self._sums, dtype=torch.float64) / self._steps_summed
+        n = self._steps_summed
+        means = torch.tensor(self._sums + self.links.take(), dtype=torch.float64) / n
         # The replays are measured on this (traced) step only, not means; so is the exposed cp
         # wait they are compared with.
         means[1], means[2], means[4] = serial, cp_serial, cp_own
         means[3] = timelines[-1].seconds["cp_comm"] if tracing else 0.0
         self._sums, self._steps_summed = None, 0
-        rows = comm.gather_dim0(means.view(1, -1).to(self.device), self.grid.world)
+        world = self.grid.world
+        link, world.link = world.link, None  # the report's own gather is no step's communication
+        try:
+            rows = comm.gather_dim0(means.view(1, -1).to(self.device), world)
+        finally:
+            world.link = link
         per_rank = self._gather_events(timelines[-1].events) if tracing else None
         if not self.is_logger:
             return {}
@@ -229,13 +248,19 @@ class StepObserver:
     def _write(self, rows: torch.Tensor, per_rank: list | None, steps: int) -> dict:
         n, g = len(CATEGORIES), len(GROUPS)
         wall, serial, cp_serial, cp_exposed, cp_own = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4]
-        h = _HEAD
-        seconds, nbytes, calls = rows[:, h : h + n], rows[:, h + n : h + n + g], rows[:, h + n + g :]
+        h, w = _HEAD, self.links.width
+        seconds, nbytes, calls = rows[:, h : h + n], rows[:, h + n : h + n + g], rows[:, h + n + g : -w]
+        links = rows[:, -w:].tolist()
         if self._detail is None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._detail = open(self.log_dir / "spans.jsonl", "a", encoding="utf-8")
         if self._coords is None:  # rank 0's table of every rank's coordinates, built on first use
             self._coords = [self.grid.layout.coords(r) for r in range(self.grid.layout.world_size)]
+            lay = self.grid.layout
+            self._neighbours = [
+                pipeline_neighbours(lay.group_of(r, ("pp",)), r) if lay.pp > 1 else (None, None)
+                for r in range(lay.world_size)
+            ]
         ranks = []
         for r in range(rows.shape[0]):
             ranks.append(
@@ -246,6 +271,7 @@ class StepObserver:
                     "time_s": {c: float(seconds[r, i]) for i, c in enumerate(CATEGORIES)},
                     "comm_bytes": {g: int(nbytes[r, i]) for i, g in enumerate(GROUPS)},
                     "comm_calls": {g: int(calls[r, i]) for i, g in enumerate(GROUPS)},
+                    "links": links_of(links[r], GROUPS, *self._neighbours[r]),
                 }
             )
         self.last_ranks, self.last_steps = ranks, steps  # the diagnosis' view (report_view)
@@ -288,7 +314,10 @@ class StepObserver:
         from threefold.observe.diagnose import ReportView
 
         ranks, self.last_ranks = self.last_ranks, None
-        return ReportView(self._step, self.last_steps, ranks, self.grid.layout, record, layers)
+        # Ranks per node: the launcher's (torchrun's LOCAL_WORLD_SIZE); 0 leaves it to the
+        # detector (parallel.devices_per_node, else one node).
+        extra = {"local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)}
+        return ReportView(self._step, self.last_steps, ranks, self.grid.layout, record, layers, extra)
 
     def _check_bands(self, fields: dict, ranks: list[dict], steps: int) -> None:
         from threefold.observe.bands import alert_text, critical_shares

@@ -9,6 +9,10 @@ list of faults separated by `,`, each `kind:key=value:key=value`:
                                and every worker of that agent (Linux; first attempt only)
     hang:rank=0:step=3         rank 0 stops making progress at step 3 (first attempt only)
     slow:rank=1:factor=3       rank 1's compute takes 3x as long, from step 0 (or :step=S on)
+    slowlayer:layer=3:factor=3 the block with global index 3 takes 3x as long, forward and backward,
+                               on every rank that holds it (or :rank=R only), from step 0
+                               (or :step=S on)
+    hotexpert:layer=1:expert=0 MoE layer 1 routes every token to expert 0 first (or :rank=R only)
     nan:step=4                 the loss of step 4 is NaN on every rank (or :rank=R only);
                                :count=N poisons N consecutive steps (once per process)
     corrupt:step=4             after the checkpoint of step 4 is published, flip a byte of its
@@ -16,7 +20,15 @@ list of faults separated by `,`, each `kind:key=value:key=value`:
 
 Steps are 0-based loop indices: `step=5` fires before the sixth optimizer step. Faults that
 would recur forever (kill, hang, nan, corrupt) fire only on the elastic agent's first attempt
-(TORCHELASTIC_RESTART_COUNT = 0), so the restarted job can succeed.
+(TORCHELASTIC_RESTART_COUNT = 0), so the restarted job can succeed; the slow kinds (slow,
+slowdevice, slowlayer, hotexpert) act on every attempt, as a slow part would.
+
+slowlayer stretches the block itself: module hooks time each forward call and each backward
+pass through it and add (factor - 1) x that time before the block returns (_stretch: CPU time
+spun on CPU, the device's time slept on CUDA), so whatever times the block from outside sees it
+that much slower. hotexpert shifts the MoE layer's input along the expert's router row by
+HOT_SHIFT x each token's norm: the router really picks that expert first for every token, the
+expert-load table shows it, and the experts compute what they are routed (a drill, not parity).
 """
 
 from __future__ import annotations
@@ -27,10 +39,18 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from threefold.config import TrainConfig
 from threefold.distributed.drills import ENV, KINDS, VALID, Fault, check, parse, spec_of  # noqa: F401 - the drill spec
+from threefold.errors import ConfigError
+
+SLOW_KINDS = ("slow", "slowdevice", "slowlayer", "hotexpert")
+"""Faults that act on every attempt: a slow part stays slow after a restart."""
+HOT_SHIFT = 4.0
+"""hotexpert: the input shift along the expert's router row, in units of each token's norm (the
+row's logit then beats every other row's by far more than the tokens' own spread)."""
 
 # (run, fault, step) already fired in this process. A rollback rebuilds the training state
 # (and its injector) in the same process; a fault must not fire again on the replayed steps.
@@ -47,11 +67,13 @@ class FaultInjector:
         # Only the kinds that act on a training step (slowlink acts in the comm layer, stack on
         # the fingerprint: threefold/distributed/drills.py); slow ones on every attempt.
         acting = [f for f in faults if f.kind not in ("slowlink", "stack") and f.rank in (None, rank)]
-        self.faults = [f for f in acting if f.kind in ("slow", "slowdevice") or first]
+        self.faults = [f for f in acting if f.kind in SLOW_KINDS or first]
         self.armed = bool(self.faults)
         """Whether any fault concerns this rank: without one a step calls nothing here (RunGuard's
         hooks check this first)."""
         self._poison = False
+        self.step = 0
+        """The step under way (step_begins): slowlayer's hooks act from their fault's step on."""
 
     @classmethod
     def from_config(cls, train: TrainConfig, run: str, rank: int, restart_count: int) -> FaultInjector:
@@ -74,10 +96,17 @@ class FaultInjector:
         if any(f.kind == "nan" for f in self.faults):
             for chunk in chunks:
                 chunk.register_forward_hook(lambda _m, _i, out: out * float("nan") if self._poison else None)
+        blocks = {int(i): b for chunk in chunks for i, b in getattr(chunk, "layers", {}).items()}
+        for f in self.faults:
+            if f.kind == "slowlayer" and f.layer in blocks:
+                _stretch(blocks[f.layer], f.factor, lambda f=f: self.step >= f.step)
+            if f.kind == "hotexpert" and f.layer in blocks:
+                _make_hot(blocks[f.layer], f)
 
     def step_begins(self, step: int, on_fault=lambda fault: None) -> None:
         """Kill or hang this rank, or arm the NaN hook, as the spec says for `step`.
         `on_fault` is told first (goodput records when the failure happened)."""
+        self.step = step
         self._poison = self._take("nan", step) is not None
         for kind in ("kill", "killnode", "hang"):
             fault = self._take(kind, step)
@@ -112,6 +141,65 @@ class FaultInjector:
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
         print(f"threefold: fault injection: corrupted {path}", file=sys.stderr, flush=True)
+
+
+def _stretch(block: nn.Module, factor: float, due) -> None:
+    """Make `block` take `factor` x as long while `due()` (slowlayer): each forward call and
+    each backward pass through it spends (factor - 1) x its own measured time more before it
+    returns. On CPU, where the device is the host, that is compute: it spins until the process
+    has used that much more CPU time (a slower device, not an idle one). On CUDA it synchronizes
+    around the block (the device's time) and sleeps with the device idle, which the layer's
+    CUDA events see as time inside the block."""
+    cuda = any(p.is_cuda for p in block.parameters())
+
+    def now() -> float:
+        if cuda:  # the host returns from a launch long before the kernels end
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
+
+    opened = {}
+
+    def start(key: str):
+        if due():
+            opened[key] = now()
+
+    def stop(key: str):
+        if key not in opened:
+            return
+        extra = (factor - 1.0) * (now() - opened.pop(key))
+        if cuda:
+            time.sleep(extra)
+            return
+        until = time.process_time() + extra
+        while time.process_time() < until:
+            pass
+
+    block.register_forward_pre_hook(lambda _m, _a: start("forward"))
+    block.register_forward_hook(lambda _m, _a, _o: stop("forward"))
+    block.register_full_backward_pre_hook(lambda _m, _g: start("backward"))
+    block.register_full_backward_hook(lambda _m, _gi, _go: stop("backward"))
+
+
+def _make_hot(block: nn.Module, fault: Fault) -> None:
+    """Route every token of the block's MoE layer to `fault.expert` first (hotexpert)."""
+    from threefold.model.moe import MoE
+
+    moe = getattr(block, "mlp", None)
+    if not isinstance(moe, MoE):
+        raise ConfigError("train.faults", f"hotexpert: layer {fault.layer} is not an MoE layer", VALID)
+    if not 0 <= fault.expert < moe.num_experts:
+        raise ConfigError(
+            "train.faults", f"hotexpert: expert {fault.expert} of {moe.num_experts}", f"0 to {moe.num_experts - 1}"
+        )
+
+    def shift(_module, args):
+        x = args[0]
+        row = moe.router.weight[fault.expert].detach().to(x.dtype)
+        row = row / row.norm().clamp_min(1e-12)
+        return (x + HOT_SHIFT * x.detach().norm(dim=-1, keepdim=True) * row, *args[1:])
+
+    moe.register_forward_pre_hook(shift)
 
 
 def kill_node() -> None:

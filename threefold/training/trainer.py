@@ -18,6 +18,7 @@ A step is a short list of phases, each timed as its span category when log.spans
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -54,9 +55,9 @@ from threefold.observe.metrics import MetricsWriter
 from threefold.observe.observer import StepObserver
 from threefold.observe.prometheus import Exporter
 from threefold.observe.step import QueuedStep, StepResult, Throughput
+from threefold.training.actions import Actions
 from threefold.training.callbacks import Callbacks
 from threefold.training.expert_load import ExpertLoad
-from threefold.training.actions import Actions
 from threefold.training.loop import TrainingLoop
 from threefold.training.optim import lr_at
 from threefold.training.resilience import RunGuard, continues_run
@@ -217,7 +218,9 @@ class Trainer:
         if found is not None:
             step = self.load(*found, quiet=restarted)
         if restarted:  # the failure and the recovery, in one line (distributed/failures.py)
-            n, of = WorkerEnv.from_environ().restart_count, self.cfg.train.max_restarts
+            # The agent's own limit (torchrun --max-restarts may differ from train.max_restarts).
+            of = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", self.cfg.train.max_restarts))
+            n = WorkerEnv.from_environ().restart_count
             why = failures.summary(self.cfg.log.dir, n - 1, world.size) if self.is_logger else None
             source = f" from {found[0].name}" if found is not None else " (no checkpoint yet)"
             self.log(f"threefold: restart {n} of {of}{f' after {why}' if why else ''}; resumed at step {step}{source}")

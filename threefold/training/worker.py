@@ -14,7 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from threefold.config import Config
-from threefold.distributed import drills, failures
+from threefold.distributed import drills, failures, hang
 from threefold.distributed.grid import Grid, slowlink_delays
 from threefold.distributed.runtime import (
     WorkerEnv,
@@ -43,7 +43,7 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
     cfg = actions.planned_config(Config.from_dict(cfg_dict), env)  # a rebalance decided by an earlier attempt
     # Listening from the start: a Ctrl-C during start-up stops the run after its first step.
     stop = StopSignals.install(speaks=env.rank == 0) if threading.current_thread() is threading.main_thread() else None
-    t, grid = cfg.train, None
+    t, grid, watch = cfg.train, None, None
     try:
         # Start-up (building, resuming, the first step's compilation) waits train.startup_timeout_s
         # for the slowest rank; the trainer brings train.timeout_s in after the first step.
@@ -55,6 +55,7 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
         delays = slowlink_delays(drills.parse(*drills.spec_of(t)))  # the slowlink drill
         grid = Grid.build(layout, timeout=timedelta(seconds=t.startup_timeout_s), device=device, link_delays=delays)
         give_deadlines(grid, t.timeout_s, t.startup_timeout_s)
+        watch = _stall_watch(cfg, grid, env)
         preflight = _preflight(cfg, grid, device, env)
         probe = None
         if measure_memory:
@@ -98,7 +99,8 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
             raise
         # A peer stopped answering or died: fail this worker with one line (the elastic agent
         # restarts the group or gives up) instead of waiting forever or dumping a traceback.
-        failures.record(cfg.log.dir, env.restart_count, env.rank, why)
+        ops = {"ops": hang.snapshot(grid.groups)} if grid is not None else None
+        failures.record(cfg.log.dir, env.restart_count, env.rank, why, extra=ops)
         if failures.prints_own_line():
             detail = str(err).splitlines()[0][-160:]
             print(f"threefold: rank {env.rank}: {why}: {detail}", file=sys.stderr, flush=True)
@@ -106,9 +108,29 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
     finally:
         # Whatever ended the run, this process leaves no group behind (a later run in it, such as
         # bench/gpu.py's next phase, joins anew); after a failure without waiting for peers.
+        if watch is not None:
+            watch.stop()
         abandon_distributed()
         if stop is not None:
             stop.uninstall()
+
+
+def _stall_watch(cfg: Config, grid: Grid, env: WorkerEnv) -> hang.StallWatch | None:
+    """This rank's stall watch (distributed/hang.py): its operation state, left in its file once
+    it has made no progress for half the collective deadline in force, so that a hang can be
+    attributed even to a rank that never runs Python again."""
+    if env.world_size == 1:
+        return None
+    path = failures.state_file(cfg.log.dir, os.environ.get("TORCHELASTIC_RUN_ID", ""), env.restart_count, env.rank)
+    path.unlink(missing_ok=True)  # an earlier run's, in the same log.dir and attempt number
+
+    def deadline_s() -> float:
+        d = grid.world.deadlines
+        if d is None:
+            return cfg.train.timeout_s
+        return (d.patient if d.open_phases else d.regular).total_seconds()
+
+    return hang.StallWatch(grid.groups, path, deadline_s).start()
 
 
 def _preflight(cfg: Config, grid: Grid, device, env: WorkerEnv):
