@@ -56,11 +56,13 @@ def active_detectors() -> list[str]:
     return out
 
 
-def one_run(args: list[str], steps: int, interval: int, timeout: float) -> dict:
-    """One clean run: its median step time and what it named."""
+def one_run(args: list[str], steps: int, interval: int, timeout: float, faults: str = "") -> dict:
+    """One run (clean unless `faults`, a train.faults spec): its median step time, what it named
+    and the first report step that named each finding (`first`: {"kind key": step})."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "threefold", "train", *args, "--train.steps", str(steps)]
         cmd += ["--log.spans", "true", "--log.interval", str(interval), "--log.dir", tmp, "--log.quiet", "true"]
+        cmd += ["--train.faults", faults] if faults else []
         t0 = time.perf_counter()
         out = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1")
@@ -74,6 +76,10 @@ def one_run(args: list[str], steps: int, interval: int, timeout: float) -> dict:
     lines = [line for line in (out.stdout + out.stderr).splitlines() if NAMED.match(line)]
     stragglers = [line for line in lines if line.startswith("threefold: straggler")]  # not a finding
     findings = {(f["kind"], f["key"]): f["text"] for m in metrics for f in m.get("findings", [])}
+    first: dict[str, int] = {}
+    for m in metrics:
+        for f in m.get("findings", []):
+            first.setdefault(f"{f['kind']} {f['key']}", m["step"])
     bands = {(a["category"], a["since"]) for m in metrics for a in m.get("band_alerts") or []}
     return {
         "step_ms": 1e3 * statistics.median(m["step_time_s"] for m in metrics[3:] or metrics),
@@ -83,6 +89,7 @@ def one_run(args: list[str], steps: int, interval: int, timeout: float) -> dict:
         "findings": sorted(f"{k}: {t}" for (k, _), t in findings.items()),
         "band_alerts": sorted(bands),
         "named": len(findings) + len(bands) + len(stragglers),
+        "first": first,
     }
 
 

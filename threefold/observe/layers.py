@@ -119,6 +119,7 @@ class LayerClock:
         self.cuda = torch.device(device).type == "cuda"
         self.blocks = [(int(i), block) for chunk in chunks for i, block in getattr(chunk, "layers", {}).items()]
         self.kinds = {i: "moe" if is_moe_layer(cfg.model, i) else "dense" for i, _ in self.blocks}
+        self.ep = cfg.parallel.ep
         p, v = cfg.parallel.pp, cfg.parallel.vpp
         virtual = stage_layer_ids(cfg.model, p, v, cfg.parallel.stage_layers)
         # Virtual stage s lives on pipeline rank s % pp (partition.py): a rank's layers, in order.
@@ -192,8 +193,14 @@ class LayerClock:
         layers = {}
         for i in sorted(held):
             rows = [r for _, r in held[i]]
-            fwd, bwd = statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
-            own_f, own_b = statistics.median(r[2] for r in rows), statistics.median(r[3] for r in rows)
+            kind = self.kinds.get(i, "dense")
+            # The ranks that hold a dense layer compute the same thing: their median is the
+            # layer's time. Under expert parallelism the members of an ep group hold different
+            # experts, and the all-to-all holds them all to the busiest (a hot expert's rank):
+            # its time is the MoE layer's.
+            pick = max if kind == "moe" and self.ep > 1 else statistics.median
+            fwd, bwd = pick(r[0] for r in rows), pick(r[1] for r in rows)
+            own_f, own_b = pick(r[2] for r in rows), pick(r[3] for r in rows)
             layers[i] = {
                 "forward_s": fwd,
                 "backward_s": bwd,
@@ -202,7 +209,7 @@ class LayerClock:
                 "typical_backward_s": own_b,
                 "typical_s": own_f + own_b,
                 "calls": max(r[4] for r in rows),
-                "kind": self.kinds.get(i, "dense"),
+                "kind": kind,
                 "stage": stage_of.get(i, 0),
                 "ranks": [rank for rank, _ in held[i]],
             }
@@ -214,15 +221,26 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}" if seconds >= 0.01 else f"{seconds * 1e3:.1f}"
 
 
+UNEVEN = 1.25
+"""A slow MoE layer's busiest expert is named as its reason from this load relative to the
+layer's mean, below the expert-load table's own 'hot' mark: under expert parallelism the layer
+runs at its busiest rank's pace, so a milder imbalance already shows in its time."""
+
+
 def _hot_experts(record: dict, layer: int) -> tuple[list[int], float]:
-    """The hot experts of `layer` in the record's expert-load table, and the hottest one's load
-    relative to its layer's mean."""
+    """The hot experts of `layer` in the record's expert-load table (else its busiest one, if
+    UNEVEN or more), and the hottest one's load relative to its layer's mean."""
     hot = [int(h.split("/E")[1]) for h in record.get("moe_hot_experts", ()) if h.split("/E")[0] == f"L{layer}"]
     tokens = record.get("moe_expert_tokens", {}).get(str(layer))
-    if not hot or not tokens:
+    if not tokens:
         return hot, 0.0
     mean = sum(tokens) / len(tokens)
-    return hot, max(tokens[e] for e in hot) / mean if mean else 0.0
+    if not mean:
+        return hot, 0.0
+    if not hot:
+        busiest = max(range(len(tokens)), key=tokens.__getitem__)
+        hot = [busiest] if tokens[busiest] >= UNEVEN * mean else []
+    return hot, max((tokens[e] for e in hot), default=0.0) / mean
 
 
 class SlowLayers:
