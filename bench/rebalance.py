@@ -4,10 +4,13 @@ the uneven partition the action chose.
 Each round trains one run through `threefold train` (the production launcher) with a slow
 stage and `--train.on_slow rebalance --train.max_restarts 1`: the slow-stage detector names it,
 the action saves, writes the new partition and restarts, and the run trains on with it. The
-default slow stage is a slower device: pp 2 of the tiny model (2 of 4 layers per stage) with
-`--fault slow:rank=0:factor=3` (stage 0's rank computes 3x slower). A heavy partition of real
-compute is `--fault '' -- --parallel.stage_layers 5,1 --model.layers 6 ...`: on a host whose
-cores both stages' ranks share, cutting it evens the work but not the step. The step
+default slow stage is a slower device: pp 2 of the tiny model (2 of 4 layers per stage) whose
+stage-0 rank computes every block 3x slower (`--fault` DEVICE: slowlayer on layers 0 and 1 with
+:rank=0, stretching each forward and backward pass there; a layer moved off rank 0 computes at
+full speed). `--fault slow:rank=0:factor=3` instead sleeps once per step for twice the rank's
+measured compute, waits included, so a cut does not shorten it: no gain to measure. A heavy
+partition of real compute is `--fault '' -- --parallel.stage_layers 5,1 --model.layers 6 ...`: on a
+host whose cores both stages' ranks share, cutting it evens the work but not the step. The step
 time of each attempt (metrics.jsonl's step_time_s) is the median over its steps after `--warmup`
 steps; a round's ratio is after / before, and the result is the median of the rounds' ratios with
 its 95% bootstrap interval (bench/stats.py). Both halves run in the same run, back to back, so a
@@ -31,6 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stats import paired_ratio, show  # noqa: E402
 
+DEVICE = "slowlayer:layer=0:factor=3:rank=0,slowlayer:layer=1:factor=3:rank=0"
+"""Stage 0's rank, a 3x slower device for the two blocks it holds in the balanced partition."""
 DEFAULT = [
     "--model.preset",
     "tiny",
@@ -87,7 +92,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=24, help="training steps per run")
     ap.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of each attempt")
     ap.add_argument("--interval", type=int, default=4, help="log.interval and checkpoint.interval")
-    ap.add_argument("--fault", default="slow:rank=0:factor=3", help="THREEFOLD_FAULT of every run ('' = none)")
+    ap.add_argument("--fault", default=DEVICE, help="THREEFOLD_FAULT of every run ('' = none)")
     ap.add_argument("--quick", action="store_true", help="2 rounds of 12 steps: indicative only")
     args = ap.parse_args(ours)
     if args.quick:

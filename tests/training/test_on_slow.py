@@ -183,21 +183,26 @@ def _metrics(log) -> list[dict]:
     return [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
 
 
+DEVICE = "slowlayer:layer=0:factor=3:rank=0,slowlayer:layer=1:factor=3:rank=0"
+
+
 def test_rebalance_restarts_a_slow_stage_with_an_uneven_partition_and_a_shorter_step(tmp_path, data, cache_dir):
-    """pp 2, 2 of 4 layers per stage, stage 0's rank 3x slower (the slow drill: a slower device).
+    """pp 2, 2 of 4 layers per stage, stage 0's rank a 3x slower device (slowlayer on the two
+    blocks it holds, :rank=0: every forward and backward pass through them there; a block moved to
+    rank 1 computes at full speed).
     The slow-stage detector names stage 0 on two reports in a row, the action writes an uneven
     partition, every rank exits after the checkpoint of step 4, and the agent's restart trains on
     with fewer layers on the slow stage and a shorter step. (The drill's extra time is the slow
     device's, not the host's CPU: this 2-core host shares its cores with the other stage's rank,
     where a heavy stage of real compute gains nothing from the cut; bench/rebalance.py.)"""
     log, ckpt = tmp_path / "log", tmp_path / "ckpt"
-    args = [sys.executable, "-m", "threefold", "train", "--parallel.pp", "2", "--model.seq_len", "64"]
-    args += ["--train.global_batch", "8", "--train.micro_batch", "2", "--train.steps", "10"]
+    args = [sys.executable, "-m", "threefold", "train", "--parallel.pp", "2", "--parallel.microbatches", "4"]
+    args += ["--train.global_batch", "8", "--train.micro_batch", "2", "--train.steps", "16"]
     args += ["--train.max_restarts", "1", "--train.on_slow", "rebalance", "--train.on_slow_reports", "2"]
     args += ["--log.interval", "2", "--checkpoint.dir", str(ckpt), "--checkpoint.interval", "2"]
     args += ["--log.dir", str(log), "--log.quiet", "true", "--data.path", data, "--data.vocab", "256"]
     args += ["--data.cache_dir", cache_dir]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "THREEFOLD_FAULT": "slow:rank=0:factor=3"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "THREEFOLD_FAULT": DEVICE}
     done = subprocess.run(args, capture_output=True, text=True, timeout=150, env=env)
     said = done.stdout + done.stderr
     assert done.returncode == 0, said[-3000:]
@@ -208,7 +213,7 @@ def test_rebalance_restarts_a_slow_stage_with_an_uneven_partition_and_a_shorter_
     assert json.loads((log / "run.json").read_text())["config"]["parallel"]["stage_layers"] == "1,3"
     rows = _metrics(log)
     segments = list(dict.fromkeys(r["segment"] for r in rows))
-    assert len(segments) == 2 and rows[-1]["step"] == 10, [r["step"] for r in rows]
+    assert len(segments) == 2 and rows[-1]["step"] == 16, [r["step"] for r in rows]
     records = [json.loads(line) for line in (log / "failures.jsonl").read_text().splitlines()]
     assert sorted(r["rank"] for r in records if r["kind"] == "action") == [0, 1]
     assert "restart 1 of 1 after ranks 0, 1: train.on_slow rebalance: a new pipeline partition" in said, said[-3000:]
