@@ -42,18 +42,7 @@ DEFAULT = [
 ]
 NAMED = re.compile(r"^threefold: (slow|step time|straggler|hang|.* of the step since step|step \d+: .* vs expected)")
 DETECTORS = ("links", "layers", "stages", "changepoint")
-
-
-def active_detectors() -> list[str]:
-    """The diagnosis' detector modules that are more than their placeholder in this checkout."""
-    import importlib
-
-    out = []
-    for name in DETECTORS:
-        module = importlib.import_module(f"threefold.observe.{name}")
-        if not (module.__doc__ or "").startswith("PLACEHOLDER"):
-            out.append(name)
-    return out
+"""The diagnosis' detector modules (observe/diagnose.py), besides the straggler check."""
 
 
 def one_run(args: list[str], steps: int, interval: int, timeout: float, faults: str = "") -> dict:
@@ -103,7 +92,6 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
     args = ap.parse_args(ours)
     layout = extra or DEFAULT
-    detectors = active_detectors()
     rows = []
     for i in range(args.runs):
         rows.append(one_run(layout, args.steps, args.interval, args.timeout))
@@ -118,7 +106,7 @@ def main(argv=None) -> list[dict]:
     print(
         f"{args.runs} clean runs of `{' '.join(layout)}`, {args.steps} steps, log.interval {args.interval}, "
         f"spans on (`{command}`{' -- ' + ' '.join(extra) if extra else ''}). Detectors active: "
-        f"{', '.join(detectors) or 'none'} (and the straggler check). Named: every metrics.jsonl finding, "
+        f"{', '.join(DETECTORS)} (and the straggler check). Named: every metrics.jsonl finding, "
         "band alert and detector console line.\n"
     )
     print("| run | median step (ms) | wall (s) | named |")
