@@ -143,6 +143,19 @@ def test_the_finding_carries_the_attribution():
     assert "other on rank 1" in found[0].text and found[0].step == 40  # two windows after the date
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_change_right_after_a_burst_is_still_named(seed):
+    # Another job's burst slows steps 26-30 alike everywhere; at 31 rank 1 slows for good. The
+    # burst's window must not stand in for the change's first window (and so hide it as alike).
+    times = [x * 1.5 if 26 <= s <= 30 else x for s, x in enumerate(series(seed, at=31, factor=2.5), 1)]
+    base = {r: {"forward": 0.02, "backward": 0.03, "optimizer": 0.01} for r in (0, 1)}
+    busy = {r: {c: 1.5 * v for c, v in s.items()} for r, s in base.items()}
+    slow = {0: {**base[0], "optimizer": 0.10}, 1: {**base[1], "other": 0.09}}
+    views = {s: view_of(s, 5, slow if s > 30 else busy if s == 30 else base) for s in range(5, 61, 5)}
+    found = feed(ChangeDetector(interval=5), times, views)
+    assert [(f.since, f.category, f.ranks) for f in found] == [(31, "other", (1,))], [f.text for f in found]
+
+
 def test_a_step_slower_alike_everywhere_is_not_named():
     # Another job on a shared host: every category of every rank grows with the step.
     times = series(2, at=31, factor=2.0)

@@ -10,8 +10,9 @@ units, clipped at CLIP (one save, evaluation or hiccup adds at most CLIP - K < H
 CUSUM with allowance K; past H the change is dated at the step after the sum last left zero (the
 classic CUSUM change-time estimate, Page 1954). It is named only if the two report windows after
 that date both run log.change_min (relative) above the level before: a burst of another job on a
-shared host rarely lasts two windows (one of ten steps did in a clean run here). Named or not, the
-new pace becomes the level. Nor is a rise named that the windows show spread over every rank and
+shared host rarely lasts two windows (one of ten steps did in a clean run here). A second window
+that runs log.change_min above the first re-dates the change to its start (a burst the change
+followed at once must not stand in for it). Named or not, the new pace becomes the level. Nor is a rise named that the windows show spread over every rank and
 category in proportion to the step before (another job's load on a shared host; a slower clock on
 every device): nothing in where the time goes moved, so there is nothing to name, and on this
 project's shared CPU hosts it is what a clean run's noise looks like.
@@ -333,6 +334,13 @@ class ChangeDetector:
         if pace / was - 1 >= self.change_min and self.first is None:
             self.first = (view, step)
             return []
+        if self.first is not None:
+            held = _median(x for s, x in self.recent if since <= s <= self.first[1])
+            if held > 0 and pace / held - 1 >= self.change_min:
+                # The pace moved again: the first window was a burst (or a smaller step) that a
+                # change followed at once. Date it from this window and confirm it on the next.
+                self.pending, self.first = self.first[1] + 1, (view, step)
+                return []
         first_view = self.first[0] if self.first else None
         self.pending = self.first = None
         after = _median(x for s, x in self.recent if s >= since)
