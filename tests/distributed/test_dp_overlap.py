@@ -17,14 +17,20 @@ from dp_checks import CPU, make_cfg, make_grid, open_data
 from harness import run_ranks
 
 
-def _overlap_worker(data: str) -> dict:
-    """dp 2, ZeRO 0 and 2, small buckets: are buckets launched inside backward, and how much of
-    the reduction is left once the slower rank's backward has ended?"""
+def _dp2(data: str):
+    """This worker's gloo process group, config, grid and data at dp 2, and tokens per step."""
     dist.init_process_group("gloo")
     cfg = make_cfg(data, **{"parallel.dp": 2})
     grid = make_grid([0, 1], dist.group.WORLD)
     tokens, sampler = open_data(cfg)
     per_step = cfg.train.global_batch * cfg.model.seq_len
+    return cfg, grid, tokens, sampler, per_step
+
+
+def _overlap_worker(data: str) -> dict:
+    """dp 2, ZeRO 0 and 2, small buckets: are buckets launched inside backward, and how much of
+    the reduction is left once the slower rank's backward has ended?"""
+    cfg, grid, tokens, sampler, per_step = _dp2(data)
     out = {}
     for zero in (0, 2):
         model = build_model(cfg, grid, CPU)
@@ -149,3 +155,35 @@ def test_reduction_is_hidden_behind_backward(cache_dir):
             f"{res['exposed_s'] * 1e3:.2f} ms, hidden {hidden:.3f}"
         )
         assert hidden >= 0.7
+
+
+def _oplog_worker(data: str) -> dict:
+    """dp 2, every ZeRO stage, two steps of two micro-batches: what the dp group's OpLog says
+    afterwards (hang attribution reads it: every wait the engine did must count as completed)."""
+    cfg, grid, tokens, sampler, per_step = _dp2(data)
+    out = {}
+    for zero in (0, 1, 2, 3):
+        model = build_model(cfg, grid, CPU)
+        engine = DataParallel(model, grid, zero=zero, bucket_mb=0.125)
+        for step in range(2):
+            batches = sampler.microbatches(tokens.tokens, step, grid.dp_rank, 2, cfg.train.micro_batch)
+            for i, (x, y) in enumerate(batches):
+                with engine.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
+                    engine.backward(model(x, y) / per_step)
+            engine.finish()
+            engine.step(1e-3, engine.grad_norm(), 1.0)
+            engine.zero_grad()
+        ops = engine.group.ops
+        out[zero] = (ops.posted - ops.completed, len(ops._open), ops.posted)
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def test_every_wait_of_the_engine_completes_its_operation(data):
+    """The buckets' reductions and ZeRO's gathers, waited on where the engine times them, still
+    advance the group's completed count: a clean run leaves nothing open to blame a hang on."""
+    results = run_ranks(_oplog_worker, 2, data, timeout=180)
+    for rank in (0, 1):
+        for zero, (open_ops, handles, posted) in results[rank].items():
+            assert posted > 0 and (open_ops, handles) == (0, 0), (rank, zero, open_ops, handles, posted)

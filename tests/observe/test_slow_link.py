@@ -149,3 +149,27 @@ def test_the_link_clock_reads_device_timers_one_step_late_and_all_on_a_report():
     assert clock.take() == [0.25, 0.0, 0.0, 0.5]  # tp, pp's flush, previous stage, next stage (7)
     LinkClock.detach(type("G", (), {"groups": {"tp": tp, "pp": pp}})())
     assert tp.link is None and pp.link is None
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_hop_inside_a_ring_group_is_named_by_the_probe(tmp_path, data, cache_dir):
+    """dp 4 (one ring of four, 4 processes): the group's collective time cannot name the hop, nor
+    be compared with another dp group; the report step's round trips (observe/hops.py) name the
+    one slow hop, and nothing else is named."""
+    metrics = run_training(
+        {
+            "data.path": data, "data.vocab": 256, "model.preset": "tiny", "model.layers": 2,
+            "model.hidden": 64, "model.ffn_hidden": 128, "model.heads": 4, "model.kv_heads": 2,
+            "model.seq_len": 32, "parallel.dp": 4, "train.global_batch": 8, "train.micro_batch": 2, "train.steps": 20,
+            "train.lr": CALM_LR, "train.faults": "slowlink:ranks=1-2:ms=20", "log.spans": "true",
+            "log.interval": INTERVAL, "log.trace_steps": "", "checkpoint.dir": "",
+        },
+        tmp_path / "log", cache_dir, timeout=240,
+    )  # fmt: skip
+    reports = _named(metrics)
+    for step in (2 * INTERVAL, 20):
+        assert [f["key"] for f in reports[step]] == ["dp 1->2"], (step, reports[step])
+    hop = reports[20][0]
+    assert hop["ranks"] == [1, 2] and hop["extra"]["hop"] == [1, 2], hop
+    assert hop["value"] > 0.03 and hop["baseline"] < 0.01, hop  # two 20 ms waits per round trip
+    assert hop["text"].startswith("slow link: dp hop 1 -> 2 (node 0 -> node 0) takes "), hop["text"]

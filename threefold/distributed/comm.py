@@ -251,11 +251,11 @@ def _run(group: Group, kind: str, size: int, fn, async_op: bool):
         return None
     link = group.link
     token = link.collective.start() if link is not None else None
-    if group.link_delays:
-        _link_wait(group)
     group.stats.record(kind, size)
     seq = group.ops.post(kind)
     with _timed(group):
+        if group.link_delays and not async_op:  # an asynchronous one waits where it is waited on
+            _link_wait(group)
         work = fn(async_op)
     if link is not None:
         link.collective.stop(token)
@@ -389,13 +389,17 @@ def broadcast(x: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     return x
 
 
-def wait(work, group: Group, _collective: bool = True) -> None:
+def wait(work, group: Group, _collective: bool = True, spans: bool = True) -> None:
     """Wait for an asynchronous call on `group` (None: a group of one issued nothing); timed as
-    the group's span category, like the call (and as collective time on its LinkTimes)."""
+    the group's span category, like the call (and as collective time on its LinkTimes), and
+    marked complete in its OpLog. `spans=False`: a caller that times the wait under a span of its
+    own (a bucket's reduction, a ZeRO gather) keeps it there."""
     if work is not None:
         link = group.link if _collective else None
         token = link.collective.start() if link is not None else None
-        with _timed(group):
+        with _timed(group) if spans else _UNTIMED:
+            if group.link_delays and _collective and id(work) in group.ops._open:
+                _link_wait(group)  # the slowlink drill: a slow link finishes a collective late
             work.wait()
         if link is not None:
             link.collective.stop(token)

@@ -11,14 +11,16 @@ CUSUM with allowance K; past H the change is dated at the step after the sum las
 classic CUSUM change-time estimate, Page 1954). It is named only if the two report windows after
 that date both run log.change_min (relative) above the level before: a burst of another job on a
 shared host rarely lasts two windows (one of ten steps did in a clean run here). A second window
-that runs log.change_min above the first re-dates the change to its start (a burst the change
-followed at once must not stand in for it). Named or not, the new pace becomes the level. Nor is a rise named that the windows show spread over every rank and
-category in proportion to the step before (another job's load on a shared host; a slower clock on
-every device): nothing in where the time goes moved, so there is nothing to name, and on this
-project's shared CPU hosts it is what a clean run's noise looks like.
+that runs log.change_min above the first re-dates the change to its start and confirms it on the
+next (a burst the change followed at once must not stand in for it, nor a change still
+ramping). Named or not, the new pace becomes the level. Nor is a rise named that the windows show spread over every rank and category in proportion to
+the step before (another job's load on a shared host; a slower clock on every device): nothing
+in where the time goes moved, so there is nothing to name, and on this project's shared CPU
+hosts it is what a clean run's noise looks like.
 
 Attribution (attribute): every rank's seconds per category in the last report window before the
-date against the first window after it. A rank whose own work (spans.OWN) grew by half the step's
+date against the window that confirmed it (the second after it: a burst just before a change
+sits in the first, the change lasts into the second). A rank whose own work (spans.OWN) grew by half the step's
 growth more than its peers' did is the cause: its own category that grew most, and the peers'
 wait ("other on rank 1 ...; its peers wait in optimizer"). Otherwise the category that grew most
 on the median rank, its group, and the rank where it grew most with, from the rows' `links`
@@ -281,6 +283,8 @@ class ChangeDetector:
         self.cusum = Cusum()
         self.recent: deque[tuple[int, float]] = deque(maxlen=KEEP)  # (step, seconds)
         self.pending: int | None = None
+        self.origin = 0
+        """The alarm's first date: the report window before it is the attribution's baseline."""
         """The date of a step-time alarm not confirmed yet."""
         self.first: tuple | None = None
         """(its first window's view, the window's end) once that window held the rise."""
@@ -302,7 +306,7 @@ class ChangeDetector:
         if self.cusum.s == 0.0:
             self.pending = self.first = None  # back in control before it was confirmed: a burst
         elif alarm and self.pending is None:
-            self.pending = self.cusum.zero_at + 1
+            self.pending = self.origin = self.cusum.zero_at + 1
         if self.pending is None and self.cusum.s <= H / 2 and self.level.z(x) < CLIP:
             self.level.follow(x)  # not while a change may be under way, nor from a slow outlier
         if not self.spans and self.pending is not None and self._window_done(step, self.interval):
@@ -338,7 +342,8 @@ class ChangeDetector:
             held = _median(x for s, x in self.recent if since <= s <= self.first[1])
             if held > 0 and pace / held - 1 >= self.change_min:
                 # The pace moved again: the first window was a burst (or a smaller step) that a
-                # change followed at once. Date it from this window and confirm it on the next.
+                # change followed at once, or the change still ramps. Date it from this window,
+                # confirm it on the next, and attribute it against the window before the alarm.
                 self.pending, self.first = self.first[1] + 1, (view, step)
                 return []
         first_view = self.first[0] if self.first else None
@@ -352,8 +357,11 @@ class ChangeDetector:
             return []
         self.dates.append(since)
         text = f"step time {rel:+.0%} since step {since:,} ({was * 1e3:.0f} -> {after * 1e3:.0f} ms)"
-        before = next((v for v in reversed(self.views) if v.step < since), None)
-        moved = attribute(before, first_view) if before is not None and first_view is not None else {}
+        before = next((v for v in reversed(self.views) if v.step < self.origin), None)
+        # Attributed from the confirming window: a change lasts into it, a burst that came just
+        # before it (and so sits in the first window) rarely does.
+        after_view = view if view is not None else first_view
+        moved = attribute(before, after_view) if before is not None and first_view is not None else {}
         if moved and not moved["concentrated"]:
             return []  # the same step, slower alike everywhere: nothing moved to name (see above)
         if moved:

@@ -45,9 +45,11 @@ import torch
 from threefold.distributed.comm import LinkTimes
 from threefold.distributed.grid import GROUP_DIMS
 from threefold.observe.findings import Finding
+from threefold.observe.hops import HOP_DIMS, HOP_NAMES, HopProbe, slow_hops
+from threefold.observe.medians import medians_of_others, medians_without
 
 PEER_COLUMNS = ("pp_prev_s", "pp_next_s")
-COMPARED = {"tp": "tp", "cp": "cp", "dp": "dp_cp", "ep": "ep", "edp": "edp", "expert_dp": "expert_dp"}
+COMPARED = HOP_DIMS
 """Reported group name -> its dimensions in GROUP_DIMS, for the groups compared across their
 dimension. The pipeline is compared pair by pair (its collective is the flush, whose time is the
 cool-down bubble); "embed" holds the pipeline's two ends (the same links as its pairs) and
@@ -94,9 +96,11 @@ class LinkClock:
             group.link = LinkTimes(device)
         self.pp = pp if pp is not None and pp.size > 1 else None
         self.prev, self.next = pipeline_neighbours(pp.ranks, me) if self.pp is not None else (None, None)
-        self.width = len(names) + len(PEER_COLUMNS)
+        self.sums_width = len(names) + len(PEER_COLUMNS)
+        self.width = self.sums_width + len(HOP_NAMES)
+        self.hops = HopProbe(self._groups, names, me, device)
         self._pending: list[list] = []
-        self._sums = [0.0] * self.width
+        self._sums = [0.0] * self.sums_width
 
     @staticmethod
     def detach(grid) -> None:
@@ -134,62 +138,41 @@ class LinkClock:
             self._sums[i] += seconds
 
     def take(self) -> list[float]:
-        """The sums since the last take (the row's columns); they start again from zero."""
-        out, self._sums = self._sums, [0.0] * self.width
+        """The sums since the last take (the row's first sums_width link columns); they start
+        again from zero."""
+        out, self._sums = self._sums, [0.0] * self.sums_width
         return out
+
+    def probe(self) -> list[float]:
+        """This rank's hop round trips (the row's last len(HOP_NAMES) columns; observe/hops.py).
+        Collective over each ring group it is in: every rank calls it on the same steps."""
+        return self.hops.measure()
 
 
 def links_of(values: list[float], names: tuple[str, ...], prev: int | None, nxt: int | None) -> dict:
     """A rank's `links` in spans.jsonl and the ReportView: {"collective_s": {group: s},
-    "pp_prev_s": s, "pp_next_s": s, "pp_prev": rank | None, "pp_next": rank | None}, per step."""
+    "pp_prev_s": s, "pp_next_s": s, "pp_prev": rank | None, "pp_next": rank | None}, per step,
+    and "hop_s": {group: s}, its hop's round trip on the report step (only the rings it is in)."""
     n = len(names)
+    hops = values[n + len(PEER_COLUMNS) :]
     return {
         "collective_s": {g: float(values[i]) for i, g in enumerate(names)},
         "pp_prev_s": float(values[n]),
         "pp_next_s": float(values[n + 1]),
         "pp_prev": prev,
         "pp_next": nxt,
+        "hop_s": {g: float(v) for g, v in zip(HOP_NAMES, hops) if v > 0},
     }
-
-
-def _medians_without(values: list[float], drop: list[list[int]]) -> list[float]:
-    """For each index list in `drop`, the median of the values outside it: one sort, then
-    O(len(list)) per list (ranks of a dimension; a node's ranks among its stage's)."""
-    n = len(values)
-    order = sorted(range(n), key=values.__getitem__)
-    ranked = [values[i] for i in order]
-    position = {i: k for k, i in enumerate(order)}
-    out = []
-    for indices in drop:
-        removed = sorted(position[i] for i in indices)
-        m = n - len(removed)
-
-        if m <= 0:
-            out.append(0.0)
-            continue
-        mid = [_kept(ranked, removed, m // 2)]
-        if m % 2 == 0:
-            mid.append(_kept(ranked, removed, m // 2 - 1))
-        out.append(sum(mid) / len(mid))
-    return out
-
-
-def _kept(ranked: list[float], removed: list[int], j: int) -> float:
-    """The j-th smallest of `ranked` (sorted) once the positions `removed` (sorted) are left out."""
-    for p in removed:
-        j += p <= j
-    return ranked[j]
-
-
-def _medians_of_others(values: list[float]) -> list[float]:
-    """For each value, the median of all the others (with few peers one outlier would drag the
-    median of all towards itself)."""
-    return _medians_without(values, [[i] for i in range(len(values))])
 
 
 def _span(ranks: list[int]) -> str:
     """ "4-7" for a run of ranks, "1, 5" otherwise."""
     return f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else ", ".join(map(str, ranks))
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds with one decimal below 10 (a clean hop's round trip is a fraction of one)."""
+    return f"{seconds * 1e3:.1f}" if seconds < 0.01 else f"{seconds * 1e3:.0f}"
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -230,8 +213,9 @@ class LinkDetector:
     def _find(self, view, rows: dict, per_node: int, ratio: float, slow: dict, exclude: dict) -> list[Finding]:
         found = self._nodes_and_ranks(view.step, slow, per_node, len(view.ranks))
         found += self._pairs(view.step, rows, set(exclude), per_node, ratio)
-        found += self._groups(view.step, rows, set(exclude), ratio)
-        return found
+        hops = slow_hops(self.layout, rows, set(exclude), ratio, self.floor_s)
+        found += self._groups(view.step, rows, set(exclude), ratio, hops)
+        return found + [self._hop(view.step, hop, per_node) for hop in hops]
 
     def _seen(self, kind: str, key: str, step: int) -> int:
         return self._since.get((kind, key), step)
@@ -252,7 +236,7 @@ class LinkDetector:
             for i, r in enumerate(members):
                 nodes.setdefault(r // per_node, []).append(i)
             drop = [nodes[r // per_node] if len(nodes) > 1 else [i] for i, r in enumerate(members)]
-            medians = _medians_without([own[r] for r in members], drop)
+            medians = medians_without([own[r] for r in members], drop)
             for r, median, dropped in zip(members, medians, drop):
                 if median > 0 and self._above(own[r], median, ratio):
                     out[r] = (own[r], median, len(members) - len(dropped))
@@ -308,13 +292,13 @@ class LinkDetector:
                 pairs.append((a, b, wa, wb, row.get("pp", 0)))
         if len(pairs) < 2:
             return []
-        scores = _medians_of_others([min(p[2], p[3]) for p in pairs])
-        ends = [_medians_of_others([p[2] for p in pairs]), _medians_of_others([p[3] for p in pairs])]
+        scores = medians_of_others([min(p[2], p[3]) for p in pairs])
+        ends = [medians_of_others([p[2] for p in pairs]), medians_of_others([p[3] for p in pairs])]
         for stage in {p[4] for p in pairs}:  # the same ends at the same stage, where there are peers
             at = [i for i, p in enumerate(pairs) if p[4] == stage]
             if len(at) > 1:
                 for end in (0, 1):
-                    for i, m in zip(at, _medians_of_others([pairs[i][2 + end] for i in at])):
+                    for i, m in zip(at, medians_of_others([pairs[i][2 + end] for i in at])):
                         ends[end][i] = m
         half = 1 + (ratio - 1) / 2
         found = []
@@ -346,7 +330,39 @@ class LinkDetector:
 
     # --- collective groups ------------------------------------------------------------------
 
-    def _groups(self, step: int, rows: dict, slow: set, ratio: float) -> list[Finding]:
+    def _hop(self, step: int, hop: tuple, per_node: int) -> Finding:
+        """A slow hop of a ring group that no group finding holds (its dimension has one group,
+        or the hop cost its group too little to stand out)."""
+        name, a, b, seconds, median, peers = hop
+        key = f"{name} {a}->{b}"
+        since = self._seen("slow_link", key, step)
+        text = (
+            f"slow link: {name} hop {a} -> {b} (node {a // per_node} -> node {b // per_node}) takes "
+            f"{_ms(seconds)} ms per round trip vs {_ms(median)} ms median of {peers} hops, since step {since}"
+        )
+        extra = {"hop": [a, b], "nodes": [a // per_node, b // per_node], "round_trip_s": seconds}
+        return Finding("slow_link", key, text, step, since, (a, b), node=a // per_node, group=name,
+                       value=seconds, baseline=median, extra=extra)  # fmt: skip
+
+    @staticmethod
+    def _peer_medians(lists: list, rows: dict, scores: list, middles: list) -> tuple[list, list]:
+        """For each group, (its peers' median score, their median middle) and how many peers:
+        the groups of the same pipeline stage where every stage has two or more (a stage's
+        gradient reductions wait behind its own schedule: stage 0 finishes its backward last),
+        else every other group of the dimension."""
+        stages: dict[int, list[int]] = {}
+        for i, g in enumerate(lists):
+            stages.setdefault(rows[g[0]].get("pp", 0), []).append(i)
+        sets = list(stages.values()) if all(len(v) > 1 for v in stages.values()) else [list(range(len(lists)))]
+        others, peers = [None] * len(lists), [0] * len(lists)
+        for at in sets:
+            pairs = zip(medians_of_others([scores[i] for i in at]), medians_of_others([middles[i] for i in at]))
+            for i, pair in zip(at, pairs):
+                others[i], peers[i] = pair, len(at) - 1
+        return others, peers
+
+    def _groups(self, step: int, rows: dict, slow: set, ratio: float, hops: list) -> list[Finding]:
+        """Slow groups; each takes the slow hops inside it out of `hops` and names them."""
         found = []
         for name, dims in COMPARED.items():
             lists = [g for g in self.layout.groups(GROUP_DIMS[dims]) if len(g) > 1]
@@ -358,7 +374,7 @@ class LinkDetector:
             # so its least- and its median-waiting member both stand out.
             scores = [min(t) for t in times]
             middles = [statistics.median(t) for t in times]
-            others = zip(_medians_of_others(scores), _medians_of_others(middles))
+            others, peers = self._peer_medians(lists, rows, scores, middles)
             for i, (ranks, score, (median, middle)) in enumerate(zip(lists, scores, others)):
                 if set(ranks) & slow or not self._above(score, median, ratio):
                     continue
@@ -366,16 +382,26 @@ class LinkDetector:
                     continue
                 key = f"{name} {ranks[0]}"
                 since = self._seen("slow_link", key, step)
-                hop = f": the hop is rank {ranks[0]} <-> {ranks[1]}" if len(ranks) == 2 else ""
+                inside = [h for h in hops if h[0] == name and h[1] in ranks]
+                for h in inside:
+                    hops.remove(h)
+                if len(ranks) == 2:
+                    hop = f": the hop is rank {ranks[0]} <-> {ranks[1]}"
+                elif inside:  # the probe's round trips (observe/hops.py)
+                    hop = ": the hop is " + ", ".join(
+                        f"rank {h[1]} -> {h[2]} ({_ms(h[3])} ms per round trip vs {_ms(h[4])} ms)" for h in inside
+                    )
+                else:
+                    hop = ""
                 wait = middles[i]
                 text = (
                     f"slow link: {name} group [{_span(ranks)}] waits {wait * 1e3:.0f} ms per step "
-                    f"in its collectives vs {middle * 1e3:.0f} ms median of {len(lists) - 1} groups{hop}, "
+                    f"in its collectives vs {middle * 1e3:.0f} ms median of {peers[i]} groups{hop}, "
                     f"since step {since}"
                 )
                 extra = {"members_s": dict(zip(map(str, ranks), times[i]))}
-                if len(ranks) == 2:
-                    extra["hop"] = list(ranks)
+                if len(ranks) == 2 or len(inside) == 1:
+                    extra["hop"] = list(ranks) if len(ranks) == 2 else [inside[0][1], inside[0][2]]
                 found.append(
                     Finding(
                         "slow_link", key, text, step, since, tuple(ranks), group=name,

@@ -206,6 +206,8 @@ class StepObserver:
             return {}
         n = self._steps_summed
         means = torch.tensor(self._sums + self.links.take(), dtype=torch.float64) / n
+        # Each ring's hop round trip, measured now (not a mean over the window's steps).
+        means = torch.cat([means, torch.tensor(self.links.probe(), dtype=torch.float64)])
         # The replays are measured on this (traced) step only, not means; so is the exposed cp
         # wait they are compared with.
         means[1], means[2], means[4] = serial, cp_serial, cp_own

@@ -64,8 +64,7 @@ def replay_p2p(batches: list, group: Group) -> float:
         start = time.perf_counter()
         for batch in batches:
             ops = [(kind, scratch[kind, shape, dtype], peer) for kind, shape, dtype, peer in batch.ops]
-            for work in comm.batch_send_recv(ops, group):
-                work.wait()
+            comm.wait_all(comm.batch_send_recv(ops, group), group)
         _sync(device)
         return time.perf_counter() - start
 

@@ -93,7 +93,7 @@ class Bucket:
         """Wait for the reduction; ZeRO 2/3 add the received slice to the shard and drop the
         unreduced gradient (ZeRO 2's memory saving)."""
         if self.work is not None:
-            self.work.wait()
+            comm.wait(self.work, self.owner.group, spans=False)
         o = self.owner
         if o.sharded:
             b = self.spec

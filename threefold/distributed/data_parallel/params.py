@@ -146,7 +146,7 @@ class ShardedParams:
             if self.state[b] is None:
                 self._launch(b)
             if self.state[b] is not READY:
-                self.state[b].wait()
+                comm.wait(self.state[b], self.group, spans=False)
         self.state[b] = READY
         self.gather_wait.stop(t0)
 
@@ -159,7 +159,7 @@ class ShardedParams:
         if self.state[b] is None:
             return
         if self.state[b] is not READY:  # never drop storage under a running collective
-            self.state[b].wait()
+            comm.wait(self.state[b], self.group, spans=False)
         self.full[b].untyped_storage().resize_(0)
         self.state[b] = None
 

@@ -142,7 +142,7 @@ class ZeroAdamW:
             for full, owned in zip(param_bucket, self.param_owned)
         ]
         for work in works:
-            work.wait()
+            comm.wait(work, self.group, spans=False)
 
     # --- state ------------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor | None]:
