@@ -12,11 +12,11 @@ classic CUSUM change-time estimate, Page 1954). It is named only if the two repo
 that date both run log.change_min (relative) above the level before: a burst of another job on a
 shared host rarely lasts two windows (one of ten steps did in a clean run here). A second window
 that runs log.change_min above the first re-dates the change to its start and confirms it on the
-next (a burst the change followed at once must not stand in for it, nor a change still
-ramping). Named or not, the new pace becomes the level. Nor is a rise named that the windows show spread over every rank and category in proportion to
-the step before (another job's load on a shared host; a slower clock on every device): nothing
-in where the time goes moved, so there is nothing to name, and on this project's shared CPU
-hosts it is what a clean run's noise looks like.
+next (a burst the change followed at once must not stand in for it, nor a change still ramping).
+Named or not, the new pace becomes the level. Nor is a rise named that the windows show spread over
+every rank and category in proportion to the step before (another job's load on a shared host; a
+slower clock on every device): nothing in where the time goes moved, so there is nothing to name,
+and on this project's shared CPU hosts it is what a clean run's noise looks like.
 
 Attribution (attribute): every rank's seconds per category in the last report window before the
 date against the window that confirmed it (the second after it: a burst just before a change
