@@ -12,7 +12,7 @@ import torch
 
 from threefold.config import Config
 from threefold.distributed.grid import RankLayout
-from threefold.observe.hops import _phase
+from threefold.distributed.round_trips import ring_rounds
 from threefold.observe.links import LinkDetector
 from threefold.observe.observer import GROUPS
 
@@ -21,10 +21,12 @@ CLEAN_HOP = 0.0003
 
 @pytest.mark.parametrize("n", range(3, 10))
 def test_no_rank_is_in_two_hops_of_one_phase(n):
+    rounds = ring_rounds(n)
     for phase in range(3):
-        ranks = [r for i in range(n) if _phase(i, n) == phase for r in (i, (i + 1) % n)]
+        ranks = [r for i in rounds[phase] for r in (i, (i + 1) % n)]
         assert len(ranks) == len(set(ranks)), (n, phase, ranks)
-    assert {_phase(i, n) for i in range(n)} == ({0, 1, 2} if n % 2 else {0, 1})
+    assert {p for p, hops in enumerate(rounds) if hops} == ({0, 1, 2} if n % 2 else {0, 1})
+    assert sorted(i for hops in rounds for i in hops) == list(range(n))  # every hop timed once
 
 
 def _view(layout, step: int, dp_s: dict, hops: dict, own: dict | None = None):

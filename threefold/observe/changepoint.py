@@ -19,11 +19,11 @@ slower clock on every device): nothing in where the time goes moved, so there is
 and on this project's shared CPU hosts it is what a clean run's noise looks like.
 
 Attribution (attribute): every rank's seconds per category in the last report window before the
-date against the window that confirmed it (the second after it: a burst just before a change
-sits in the first, the change lasts into the second). A rank whose own work (spans.OWN) grew by half the step's
-growth more than its peers' did is the cause: its own category that grew most, and the peers'
-wait ("other on rank 1 ...; its peers wait in optimizer"). Otherwise the category that grew most
-on the median rank, its group, and the rank where it grew most with, from the rows' `links`
+date against the window that confirmed it (the second after it: a burst just before a change sits
+in the first, the change lasts into the second). A rank whose own work (spans.OWN) grew by half the
+step's growth more than its peers' did is the cause: its own category that grew most, and the
+peers' wait ("other on rank 1 ...; its peers wait in optimizer"). Otherwise the category that grew
+most on the median rank, its group, and the rank where it grew most with, from the rows' `links`
 (observe/links.py), the group or pipeline peer whose time grew most there.
 
 Shares. Per report window each category's share of the step (mean over ranks) runs through an
@@ -361,7 +361,7 @@ class ChangeDetector:
         # Attributed from the confirming window: a change lasts into it, a burst that came just
         # before it (and so sits in the first window) rarely does.
         after_view = view if view is not None else first_view
-        moved = attribute(before, after_view) if before is not None and first_view is not None else {}
+        moved = attribute(before, after_view) if before is not None and after_view is not None else {}
         if moved and not moved["concentrated"]:
             return []  # the same step, slower alike everywhere: nothing moved to name (see above)
         if moved:

@@ -6,15 +6,16 @@ its successor in each ring group of more than two members (observe/links.COMPARE
 with two members the group is its one hop), and its row carries that one float per group name
 (`hop_s`). Rank 0 compares each hop with the other hops of its dimension, in every group of it.
 
-    probe = HopProbe(groups, names, me, device)   # every rank, with log.spans on
+    probe = HopProbe(groups, names, device)       # every rank, with log.spans on
     row += probe.measure()                        # report steps: collective over each ring group
     slow_hops(layout, rows, slow, ratio, floor)   # rank 0: the hops beyond their peers
 
 The ring is the group's ranks in order (NCCL builds its rings in rank order inside a node and
-across nodes in node order, and a slow node's NIC slows both of its hops). Hops are timed in two
-phases (three for an odd ring), each rank in at most one hop per phase, after a barrier: a slow
-hop does not hold up the hops timed beside it. Each hop is the least of REPEATS round trips, so
-a rank still finishing the phase before delays only the first. Per rank: O(groups it is in)
+across nodes in node order, and a slow node's NIC slows both of its hops). Hops are timed as the
+preflight link probe times them (distributed/round_trips.py): in two phases (three for an odd
+ring), each rank in at most one hop per phase, after a barrier, so a slow hop does not hold up
+the hops timed beside it; the first of REPEATS round trips is a warm-up, which also absorbs a
+rank still finishing the phase before. Per rank: O(groups it is in)
 messages of one element, whatever the world size.
 
 Nothing here knows whether a drill runs: the round trips go through comm.send and comm.recv as
@@ -23,13 +24,11 @@ any exchange does, so a slow cable, a congested switch port or the slowlink dril
 
 from __future__ import annotations
 
-import math
-import time
-
 import torch
 
 from threefold.distributed import comm
 from threefold.distributed.grid import GROUP_DIMS
+from threefold.distributed.round_trips import ring_hop
 from threefold.observe.medians import medians_of_others
 
 HOP_NAMES = ("tp", "cp", "dp", "ep", "edp", "expert_dp")
@@ -37,20 +36,14 @@ HOP_NAMES = ("tp", "cp", "dp", "ep", "edp", "expert_dp")
 HOP_DIMS = {"tp": "tp", "cp": "cp", "dp": "dp_cp", "ep": "ep", "edp": "edp", "expert_dp": "expert_dp"}
 """Reported group name -> its dimensions in GROUP_DIMS (dp reports the dp x cp group)."""
 REPEATS = 3
-"""Round trips per hop; the least is the hop's time."""
-
-
-def _phase(position: int, n: int) -> int:
-    """The phase in which the hop from ring position `position` to the next is timed: by parity,
-    the wrap hop of an odd ring in a third (no rank is in two hops of one phase)."""
-    return 2 if n % 2 and position == n - 1 else position % 2
+"""Round trips per hop (the first a warm-up); the least of the others is the hop's time."""
 
 
 class HopProbe:
     """This rank's round trip to its successor in each ring group it belongs to."""
 
-    def __init__(self, groups: list, names: tuple[str, ...], me: int, device: torch.device):
-        self.device, self.me = torch.device(device), me
+    def __init__(self, groups: list, names: tuple[str, ...], device: torch.device):
+        self.device = torch.device(device)
         rings: dict[tuple, tuple] = {}
         for name, group in zip(names, groups):
             if name in HOP_NAMES and group is not None and group.size > 2:
@@ -74,39 +67,8 @@ class HopProbe:
         return out
 
     def _ring(self, group) -> float:
-        ring = sorted(group.ranks)
-        n, at = len(ring), ring.index(self.me)
-        succ, pred = group.ranks.index(ring[(at + 1) % n]), group.ranks.index(ring[(at - 1) % n])
-        mine = 0.0
         with comm.unrecorded(group):  # a measurement: not the step's traffic
-            for phase in range(3 if n % 2 else 2):
-                comm.barrier(group)
-                if _phase(at, n) == phase:
-                    mine = self._ping(group, succ)
-                elif _phase((at - 1) % n, n) == phase:
-                    self._pong(group, pred)
-        return mine
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":  # NCCL's send returns once enqueued: wait for the stream
-            torch.cuda.synchronize(self.device)
-
-    def _ping(self, group, peer: int) -> float:
-        best = math.inf
-        for _ in range(REPEATS):
-            self._sync()
-            start = time.perf_counter()
-            comm.send(self._buf, group, peer)
-            comm.recv(self._buf, group, peer)
-            self._sync()
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    def _pong(self, group, peer: int) -> None:
-        for _ in range(REPEATS):
-            comm.recv(self._buf, group, peer)
-            comm.send(self._buf, group, peer)
-        self._sync()
+            return ring_hop(group, REPEATS - 1, self._buf)  # one warm-up, then the timed ones
 
 
 def slow_hops(layout, rows: dict, slow: set, ratio: float, floor_s: float) -> list[tuple]:

@@ -98,7 +98,7 @@ class LinkClock:
         self.prev, self.next = pipeline_neighbours(pp.ranks, me) if self.pp is not None else (None, None)
         self.sums_width = len(names) + len(PEER_COLUMNS)
         self.width = self.sums_width + len(HOP_NAMES)
-        self.hops = HopProbe(self._groups, names, me, device)
+        self.hops = HopProbe(self._groups, names, device)
         self._pending: list[list] = []
         self._sums = [0.0] * self.sums_width
 

@@ -27,7 +27,6 @@ slowest hops, with that hop. A suspect pp pair is re-measured with every pipelin
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ import torch
 
 from threefold.distributed import comm
 from threefold.distributed.grid import GROUP_DIMS, Grid
+from threefold.distributed.round_trips import best_time, ping_pong, ring_hop
 from threefold.preflight.nodes import node_index
 
 DIMS = ("tp", "cp", "ep", "dp")
@@ -61,40 +61,6 @@ class LinkReport:
     record: dict = field(default_factory=dict)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _best_time(fn, device: torch.device, reps: int) -> float:
-    """The fastest of `reps` timed calls after one warm-up: a systematic slowdown is in every
-    call, a scheduler's hiccup in only some."""
-    fn()
-    best = math.inf
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _ping_pong(group, me: int, peer: int, x: torch.Tensor, initiator: bool, reps: int) -> float:
-    """Round trips of `x` between group indices `me` and `peer`; the initiator's fastest (0 on the other)."""
-
-    def once():
-        if initiator:
-            comm.send(x, group, peer)
-            comm.recv(x, group, peer)
-        else:
-            comm.recv(x, group, peer)
-            comm.send(x, group, peer)
-
-    seconds = _best_time(once, x.device, reps)
-    return seconds if initiator else 0.0
-
-
 def _buffers(device: torch.device, sizes: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.ones(s // 4, dtype=torch.float32, device=device) for s in sizes)
 
@@ -114,10 +80,10 @@ def _probe_pipeline(grid: Grid, bufs, reps: int, record: torch.Tensor) -> None:
             continue
         if stage % 2 == parity and stage + 1 < stages:
             record[_PP] = group.ranks[stage + 1]
-            _keep_faster(record, _PP + 1, [_ping_pong(group, stage, stage + 1, x, True, reps) for x in bufs])
+            _keep_faster(record, _PP + 1, [ping_pong(group, stage, stage + 1, x, True, reps) for x in bufs])
         elif (stage - 1) % 2 == parity and stage >= 1:
             for x in bufs:
-                _ping_pong(group, stage, stage - 1, x, False, reps)
+                ping_pong(group, stage, stage - 1, x, False, reps)
 
 
 def _probe_groups(grid: Grid, bufs, reps: int, record: torch.Tensor) -> None:
@@ -128,29 +94,8 @@ def _probe_groups(grid: Grid, bufs, reps: int, record: torch.Tensor) -> None:
         if group.size == 1:
             continue
         record[_DIM0 + 3 * i] = group.ranks[0]
-        times = [_best_time(lambda x=x, g=group: comm.all_reduce(x, g), x.device, reps) for x in bufs]
+        times = [best_time(lambda x=x, g=group: comm.all_reduce(x, g), x.device, reps) for x in bufs]
         _keep_faster(record, _DIM0 + 3 * i + 1, times)
-
-
-def _ring_hops(group, reps: int, x: torch.Tensor) -> float:
-    """Hop i -> i+1 (mod n) of this group's ring, in rounds of disjoint pairs (even hops, odd
-    hops, and for an odd n the hop n-1 -> 0 alone); this rank's outgoing hop time."""
-    n, me = group.size, group.rank
-    hops = [i for i in range(n) if n > 2 or i == 0]  # two ranks: one link
-    rounds = [
-        [i for i in hops if i % 2 == 0 and (i < n - 1 or n == 2)],
-        [i for i in hops if i % 2 == 1],
-        [n - 1] if n % 2 and n > 2 else [],
-    ]
-    mine = 0.0
-    for pairs in rounds:
-        comm.barrier(group)
-        for i in pairs:
-            if me == i:
-                mine = _ping_pong(group, me, (i + 1) % n, x, True, reps)
-            elif me == (i + 1) % n:
-                _ping_pong(group, me, i, x, False, reps)
-    return mine
 
 
 def _median_of_others(ordered: list[float], k: int) -> float:
@@ -342,7 +287,7 @@ def _remeasure(grid: Grid, plan: torch.Tensor, bufs, reps: int) -> torch.Tensor:
             comm.barrier(grid.world)
             group = getattr(grid, dim)
             if group.size > 1:
-                out[2 + i] = _ring_hops(group, reps, bufs[1])
+                out[2 + i] = ring_hop(group, reps, bufs[1])
     return out
 
 
