@@ -56,7 +56,11 @@ def test_categories_sum_to_the_step_time_on_every_rank(run3d):
             # A save (the last step's, checkpoint.dir defaults to <log.dir>/checkpoints) is its own
             # category, outside step_time_s.
             in_step = sum(v for k, v in parts.items() if k != "checkpoint")
-            assert in_step == pytest.approx(step_time, rel=0.05), (rank["rank"], parts, step_time)
+            # step_time_s is the logger's clock. The other ranks' steps also hold, in their first
+            # collective, the logger's report work on the previous step (spans.jsonl, the
+            # diagnosis: a few ms at world 8, more on a loaded machine), so they may run longer.
+            high = 0.05 if rank["rank"] == 0 else 0.12
+            assert step_time * 0.95 <= in_step <= step_time * (1 + high), (rank["rank"], parts, step_time)
             assert parts["forward"] > 0 and parts["backward"] > 0 and parts["tp_comm"] > 0
             assert parts["other"] < 0.2 * step_time  # the named spans cover the step
         for group in ("tp", "pp", "dp"):
