@@ -54,8 +54,34 @@ class Cluster:
     )
     layer_overhead_us: float = knob(-1.0, "Time per layer and micro-batch, fwd + bwd: launches, Python (-1 = profile)")
     step_overhead_s: float = knob(-1.0, "Fixed time per step outside the model: data, logging, sync (-1 = profile)")
-    dp_overlap: float = knob(-1.0, "Fraction of DP/ZeRO communication hidden under backward (-1 = profile; 0 = none)")
-    tp_overlap: float = knob(-1.0, "Fraction of TP/SP communication hidden under compute (-1 = profile; 0 = none)")
+    sm_count: int = knob(-1, "Streaming multiprocessors: GEMM wave quantization (-1 = profile; 0 = none, cpu)")
+    attention_efficiency: float = knob(
+        -1.0,
+        "Fraction of peak the fused attention kernel reaches at head dim 128, long sequences "
+        "(-1 = profile; 0 = a GEMM like the others, cpu)",
+    )
+    attention_half_seq: float = knob(-1.0, "Sequence length at which attention runs at half that rate (-1 = profile)")
+    overlap: str = knob(
+        "",
+        "modelled = each transfer hides what the compute beside it covers, on its own link (GPUs); "
+        "none = every transfer exposed but dp_overlap/tp_overlap's share (cpu: gloo shares the cores) ('' = profile)",
+    )
+    tp_overlap_scope: str = knob(
+        "backward",
+        "TP collectives behind compute: backward = dX's collective behind dW and SP's re-gather behind dX "
+        "(the engine, Megatron-Core); all = forward ones pipelined with their GEMMs too (userbuffers, async TP); none",
+    )
+    param_gather: str = knob(
+        "after_step",
+        "ZeRO-1/2 parameter all-gather: after_step = in full after the optimizer step (the engine); "
+        "forward = each bucket's behind the next forward (Megatron's overlap_param_gather)",
+    )
+    dp_overlap: float = knob(
+        -1.0, "Fixed fraction of DP/ZeRO communication hidden (-1 = by cluster.overlap: modelled, or 0 under none)"
+    )
+    tp_overlap: float = knob(
+        -1.0, "Fixed fraction of TP/SP communication hidden (-1 = by cluster.overlap: modelled, or 0 under none)"
+    )
     allow_tp_across_nodes: bool = knob(False, "Let a tensor-parallel group span nodes (over the inter-node link)")
     cp_min_seq: int = knob(
         8192, "Search context parallelism (cp > 1) for sequences at least this long (0 = never; pin with --parallel.cp)"
@@ -110,8 +136,12 @@ class Cluster:
 
 
 # Datasheet numbers, and priors for the efficiency parameters (calibrate them: docs/planner.md).
-# Bandwidths are what NCCL reaches, not the link's nominal rate: NVLink3 300 GB/s -> ~235,
-# NVLink4 450 -> ~360; one 200 Gb/s HDR NIC per GPU -> ~23 GB/s, 400 Gb/s NDR -> ~45.
+# Each GPU figure below cites where it comes from (docs/planner.md, "GPU profiles").
+# Bandwidths are what NCCL reaches, not the line rate: NVLink 4 moves 450 GB/s each way, NCCL's
+# ring collectives about 370 GB/s of it (NVIDIA's NCCL maintainers, nccl-tests#212, NCCL#1442;
+# all-reduce with NVLink SHARP reaches ~480: Azure ND H100 v5 nccl-tests, 478.87 GB/s at 8 GB);
+# NVLink 3 (A100) 300 -> ~235. One NIC per GPU: 400 Gb/s NDR gives ~48 GB/s (nccl-tests#319:
+# "around 48GB/s from each CX7 NIC"), 200 Gb/s HDR ~23.
 _GPU_COMMON = dict(
     reserved_gib=3.0,
     intra_latency_us=5.0,
@@ -119,12 +149,16 @@ _GPU_COMMON = dict(
     collective_overhead_us=10.0,
     layer_overhead_us=10.0,
     step_overhead_s=0.01,
-    dp_overlap=0.0,
-    tp_overlap=0.0,
+    overlap="modelled",
     devices_per_node=8,
-    # Tensor-core GEMMs need large tiles: one with a side of 64 runs at about half its large-shape rate.
-    gemm_half_dim=64.0,
+    # Beyond wave quantization (sm_count), a GEMM whose smallest side is 32 runs at half its
+    # large-shape rate: too few k steps to fill the tensor-core pipeline, too little reuse per byte.
+    gemm_half_dim=32.0,
 )
+# FlashAttention-2 (PyTorch's SDPA flash kernel) on an H100 SXM5, forward + backward, causal,
+# head dim 128: 163, 221, 265, 294, 308, 328 TFLOP/s at 512 .. 16k tokens (the flash-attention
+# repository's flash2_h100_fwd_bwd_benchmark.png): ~35% of peak, half of that near 800 tokens.
+_HOPPER_ATTENTION = dict(attention_efficiency=0.35, attention_half_seq=800.0)
 PROFILES: dict[str, dict[str, Any]] = {
     "a100-40gb": dict(
         _GPU_COMMON,
@@ -134,7 +168,11 @@ PROFILES: dict[str, dict[str, Any]] = {
         elementwise_bw_gbps=1400.0,  # ~90% of the datasheet: what element-wise kernels stream
         intra_bw_gbps=235.0,
         inter_bw_gbps=23.0,
-        compute_efficiency=0.7,
+        compute_efficiency=0.7,  # the earlier prior (docs/planner.md: the 2021 A100 table within 13%)
+        sm_count=108,
+        # FlashAttention-2 on A100, forward + backward: ~60% of peak at long sequences (its paper).
+        attention_efficiency=0.6,
+        attention_half_seq=800.0,
     ),
     "a100-80gb": dict(
         _GPU_COMMON,
@@ -145,26 +183,38 @@ PROFILES: dict[str, dict[str, Any]] = {
         intra_bw_gbps=235.0,
         inter_bw_gbps=23.0,
         compute_efficiency=0.7,
+        sm_count=108,
+        attention_efficiency=0.6,
+        attention_half_seq=800.0,
     ),
+    # Large bf16 GEMMs on an H100 SXM: cuBLAS 797.8 TFLOP/s at 8192^3 (pranjalssh/fast.cu), the
+    # best torch.matmul shape 794.5 (80.3%, stas00/ml-engineering's MAMF table); with the 8192^3
+    # shape's factors (1.035) the large-shape rate is 0.83. Element-wise: Azure ND H100 v5 STREAM copy 2.90 TB/s.
     "h100": dict(
         _GPU_COMMON,
+        **_HOPPER_ATTENTION,
         peak_name="NVIDIA H100 80GB HBM3",
         memory_gib=80.0,
         mem_bw_gbps=3350.0,
-        elementwise_bw_gbps=3000.0,  # ~90% of the datasheet: what element-wise kernels stream
-        intra_bw_gbps=360.0,
-        inter_bw_gbps=45.0,
-        compute_efficiency=0.6,
+        elementwise_bw_gbps=2900.0,
+        intra_bw_gbps=370.0,
+        inter_bw_gbps=48.0,
+        compute_efficiency=0.83,
+        sm_count=132,
     ),
+    # The same GH100 compute at 700 W with faster memory: an 8192^3 bf16 GEMM at 769-798 TFLOP/s
+    # and element-wise work at ~4.3 TB/s, both measured through PyTorch on an H200 (issue 36).
     "h200": dict(
         _GPU_COMMON,
+        **_HOPPER_ATTENTION,
         peak_name="NVIDIA H200",
         memory_gib=140.0,
         mem_bw_gbps=4800.0,
-        elementwise_bw_gbps=4300.0,  # ~90% of the datasheet: what element-wise kernels stream
-        intra_bw_gbps=360.0,
-        inter_bw_gbps=45.0,
-        compute_efficiency=0.62,
+        elementwise_bw_gbps=4300.0,
+        intra_bw_gbps=370.0,
+        inter_bw_gbps=48.0,
+        compute_efficiency=0.82,
+        sm_count=132,
     ),
     # CPU: the peak is measured (observe.peak, one thread per process), memory is the host's
     # RAM shared by the processes, and gloo over shared memory/loopback is the "link". Latency
@@ -188,8 +238,10 @@ PROFILES: dict[str, dict[str, Any]] = {
         elementwise_bw_gbps=20.0,
         layer_overhead_us=1000.0,
         step_overhead_s=0.01,
-        dp_overlap=0.0,
-        tp_overlap=0.0,
+        sm_count=0,
+        attention_efficiency=0.0,
+        attention_half_seq=0.0,
+        overlap="none",  # gloo's transfers run on the cores the compute needs (docs/planner.md)
         core_share_exponent=1.3,
     ),
 }
@@ -217,9 +269,16 @@ _FROM_PROFILE_IF = {
     "elementwise_bw_gbps": 0.0,
     "layer_overhead_us": -1.0,
     "step_overhead_s": -1.0,
-    "dp_overlap": -1.0,
-    "tp_overlap": -1.0,
+    "sm_count": -1,
+    "attention_efficiency": -1.0,
+    "attention_half_seq": -1.0,
+    "overlap": "",
     "core_share_exponent": 0.0,
+}
+CHOICES = {
+    "overlap": ("modelled", "none"),
+    "tp_overlap_scope": ("backward", "all", "none"),
+    "param_gather": ("after_step", "forward"),
 }
 
 # The keys of a [cluster] table and of --cluster.KEY (validation is a table of its own).
@@ -366,8 +425,13 @@ def check_cluster(c: Cluster) -> None:
     if c.core_share_exponent < 0:
         raise ConfigError("cluster.core_share_exponent", f"must be >= 0, got {c.core_share_exponent}")
     for key in ("dp_overlap", "tp_overlap"):
-        if not 0 <= getattr(c, key) <= 1:
-            raise ConfigError(f"cluster.{key}", f"{getattr(c, key)} is outside [0, 1]")
+        if not (0 <= getattr(c, key) <= 1 or getattr(c, key) == -1):
+            raise ConfigError(f"cluster.{key}", f"{getattr(c, key)} is outside [0, 1]", "or -1: by cluster.overlap")
+    for key, valid in CHOICES.items():
+        if getattr(c, key) not in valid:
+            raise ConfigError(f"cluster.{key}", f"{getattr(c, key)!r} is not one of {', '.join(valid)}")
+    if not 0 <= c.attention_efficiency <= 1:
+        raise ConfigError("cluster.attention_efficiency", f"{c.attention_efficiency} is outside [0, 1]")
     for key in (
         "reserved_gib",
         "gemm_half_dim",
@@ -377,6 +441,8 @@ def check_cluster(c: Cluster) -> None:
         "layer_overhead_us",
         "step_overhead_s",
         "cp_min_seq",
+        "sm_count",
+        "attention_half_seq",
     ):
         if getattr(c, key) < 0:
             raise ConfigError(f"cluster.{key}", f"must be >= 0, got {getattr(c, key)}")

@@ -29,6 +29,7 @@ NCCL's trees pay ~2 log2(N) steps instead of 2(N-1).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from threefold.distributed.tp_collectives import (
     DENSE_BLOCK,
@@ -38,9 +39,12 @@ from threefold.distributed.tp_collectives import (
     moe_block,
 )
 from threefold.planner.cluster import Cluster
+from threefold.planner.kernels import region_gemm_seconds
 from threefold.planner.layout import Layout
 from threefold.planner.memory import expert_dp
 from threefold.planner.model import ModelShape
+from threefold.planner.overlap import BUCKET_PARAMS, exposed_share, fixed_exposed, modelled
+from threefold.planner.units import seconds
 
 Terms = dict  # parameter name -> coefficient (planner/cost.py)
 
@@ -57,6 +61,10 @@ def collective(into: Terms, link: str, nbytes: float, steps: float, calls: float
     for name, coef in ((f"{link}_bw_gbps", nbytes), (f"{link}_latency_us", steps), ("collective_overhead_us", calls)):
         if coef:
             into[name] = into.get(name, 0.0) + coef
+
+
+def _scaled(terms: Terms, k: float) -> Terms:
+    return {name: coef * k for name, coef in terms.items() if coef * k}
 
 
 def tp_link(cluster: Cluster, tp: int) -> str:
@@ -106,9 +114,42 @@ def tp_comm_terms(
     steps_per_call = latency_steps(tp, link, 2 * (tp - 1)), latency_steps(tp, link, tp - 1)
     steps = all_reduces * steps_per_call[0] + (gathers + latency_only) * steps_per_call[1]
     calls = all_reduces + gathers + latency_only
-    exposed = 1.0 - cluster.tp_overlap
-    collective(terms, link, exposed * nbytes, exposed * steps, exposed * calls)
-    return terms
+    collective(terms, link, nbytes, steps, calls)
+    if not modelled(cluster, cluster.tp_overlap):
+        return _scaled(terms, fixed_exposed(cluster.tp_overlap))
+    total = seconds(terms, cluster, "tp_comm")
+    if total <= 0:
+        return terms
+    one = {"ar": {}, "ag": {}}  # one all-reduce, one all-gather (or reduce-scatter) of X, in seconds
+    collective(one["ar"], link, 2 * ring * activation, steps_per_call[0], 1)
+    collective(one["ag"], link, ring * activation, steps_per_call[1], 1)
+    ar, ag = (seconds(one[k], cluster, "tp_comm") for k in ("ar", "ag"))
+    hidden = _tp_hidden(shape, cluster, layout, ar, ag, layers, moe_layers)
+    return _scaled(terms, max(0.0, total - hidden) / total)
+
+
+def _tp_hidden(shape, cluster, layout, ar: float, ag: float, layers: int, moe_layers: float) -> float:
+    """Seconds of one micro-batch's TP collectives the compute beside them hides (overlap.py):
+    per region, backward's dX collective behind the deferred dW GEMMs, and under SP the
+    re-gather behind dX; with scope "all" the forward collectives behind the region's GEMMs
+    too, but one chunk in tp."""
+    scope = cluster.tp_overlap_scope
+    if scope == "none":
+        return 0.0
+    windows = region_gemm_seconds(shape.cfg, layout.mbs * (shape.seq_len // layout.cp), layout.tp, cluster)
+    hidden = 0.0
+    for region, count in (("attention", layers), ("mlp", layers - moe_layers)):
+        entry, forward = windows[region]
+        if layout.sp:  # backward: the reduce-scatter behind dW, the re-gather behind dX
+            per = min(ag, entry) * 2
+            if scope == "all":  # forward: the all-gather and the reduce-scatter, each behind its GEMM
+                per += min(2 * ag * (1 - 1 / layout.tp), forward)
+        else:
+            per = min(ar, entry)
+            if scope == "all":
+                per += min(ar * (1 - 1 / layout.tp), forward)
+        hidden += count * per
+    return hidden
 
 
 def _by_cost(counts: Collectives) -> tuple[int, int, int]:
@@ -172,26 +213,85 @@ def pp_comm_terms(shape: ModelShape, cluster: Cluster, layout: Layout, microbatc
 
 
 def gradient_sync_terms(
-    cluster: Cluster, layout: Layout, dense: float, expert: float, microbatches: int, act: int
+    cluster: Cluster,
+    layout: Layout,
+    dense: float,
+    expert: float,
+    microbatches: int,
+    act: int,
+    windows: DpWindows | None = None,
 ) -> Terms:
     """One step's gradient synchronisation of a rank holding `dense` and `expert` parameters:
-    the dense ones over dp x cp replicas, the experts' over expert_dp, (1 - dp_overlap) exposed."""
+    the dense ones over dp x cp replicas, the experts' over expert_dp. Exposed: what a fixed
+    dp_overlap leaves, or (modelled, with the compute `windows` beside it) what outlasts them."""
     kp, kg = act, 4  # working parameters in the run's dtype; gradients reduced in fp32 (the default)
-    link, exposed = dp_link(cluster, layout), 1.0 - cluster.dp_overlap
-    terms: Terms = {}
+    link = dp_link(cluster, layout)
+    parts: dict[str, Terms] = {}
+    held = 0.0  # parameters synchronised: one bucket's share of the time is never hidden
     for numel, replicas in ((dense, layout.dp * layout.cp), (expert, expert_dp(layout))):
         if replicas > 1 and numel:
-            nbytes, steps, calls = _gradient_sync(numel, replicas, layout.zero, microbatches, link, kp, kg)
-            collective(terms, link, exposed * nbytes, exposed * steps, exposed * calls)
+            held += numel
+            for kind, (nbytes, steps, calls) in _gradient_sync(
+                numel, replicas, layout.zero, microbatches, link, kp, kg
+            ).items():
+                collective(parts.setdefault(kind, {}), link, nbytes, steps, calls)
+    terms: Terms = {}
+    if windows is None or not modelled(cluster, cluster.dp_overlap):
+        for part in parts.values():
+            for name, coef in _scaled(part, fixed_exposed(cluster.dp_overlap)).items():
+                terms[name] = terms.get(name, 0.0) + coef
+        return terms
+    for kind, part in parts.items():
+        for name, coef in _scaled(
+            part, _dp_exposed(kind, part, cluster, min(1.0, BUCKET_PARAMS / held), windows)
+        ).items():
+            terms[name] = terms.get(name, 0.0) + coef
     return terms
 
 
-def _gradient_sync(numel: float, n: int, zero: int, m: int, link: str, kp: int, kg: int) -> tuple[float, float, float]:
-    """(bytes, latency steps, collective calls) one rank pays to synchronise `numel` parameters
-    over `n` replicas (the buckets' calls counted as one: they overlap each other)."""
+@dataclass(frozen=True)
+class DpWindows:
+    """The compute a data-parallel transfer can run beside, seconds on the rank (cost.py)."""
+
+    backward: float
+    """The last micro-batch's backward (and, on the last of several pipeline stages, the
+    backward passes the earlier stages still run): where the gradient buckets reduce."""
+    forward: float
+    """One micro-batch's forward: where ZeRO-1/2's parameter gathers can hide (param_gather forward)."""
+    step: float
+    """The rank's compute over the whole step: ZeRO-3's gathers run one block ahead of it."""
+    blocks: int
+    """Layers on the rank: the first block's gather of each pass is exposed (ZeRO-3)."""
+    shared: float
+    """Other traffic on the dp link during the backward window (pipeline sends, cp, ep)."""
+
+
+def _dp_exposed(kind: str, part: Terms, cluster: Cluster, bucket_share: float, w: DpWindows) -> float:
+    """Exposed share of one kind of the step's dp traffic (overlap.py): the reduction behind
+    the backward window less the link's other traffic, the last bucket exposed; ZeRO-1/2's
+    gather after the step, or behind the first forward but its first bucket; ZeRO-3's per
+    block, one block ahead, the first block's exposed."""
+    total = seconds(part, cluster, "dp_comm")
+    if kind == "reduce":
+        return exposed_share(total, max(0.0, w.backward - w.shared), bucket_share * total)
+    if kind == "gather":
+        if cluster.param_gather != "forward":
+            return 1.0
+        return exposed_share(total, w.forward, bucket_share * total)
+    return exposed_share(total, w.step, total / max(1, w.blocks))
+
+
+def _gradient_sync(
+    numel: float, n: int, zero: int, m: int, link: str, kp: int, kg: int
+) -> dict[str, tuple[float, float, float]]:
+    """{kind: (bytes, latency steps, collective calls)} one rank pays to synchronise `numel`
+    parameters over `n` replicas (the buckets' calls counted as one: they overlap each other):
+    "reduce" the gradients' all-reduce or reduce-scatter, "gather" ZeRO-1/2's parameter
+    all-gather after the step, "blocks" ZeRO-3's per-block gathers and reduce-scatters."""
     ring = (n - 1) / n
     if zero == 0:
-        return 2 * ring * numel * kg, latency_steps(n, link, 2 * (n - 1)), 1
+        return {"reduce": (2 * ring * numel * kg, latency_steps(n, link, 2 * (n - 1)), 1)}
     if zero in (1, 2):
-        return ring * numel * (kg + kp), 2 * latency_steps(n, link, n - 1), 2
-    return ring * numel * (kg + 2 * m * kp), (1 + 2 * m) * latency_steps(n, link, n - 1), 1 + 2 * m
+        steps = latency_steps(n, link, n - 1)
+        return {"reduce": (ring * numel * kg, steps, 1), "gather": (ring * numel * kp, steps, 1)}
+    return {"blocks": (ring * numel * (kg + 2 * m * kp), (1 + 2 * m) * latency_steps(n, link, n - 1), 1 + 2 * m)}

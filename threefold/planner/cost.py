@@ -46,6 +46,7 @@ from threefold.planner.cluster import Cluster
 
 # cp_cost.cp_comm_terms takes the latency rule as an argument; tests/planner/test_planner_cp.py reads it here.
 from threefold.planner.comm_cost import (
+    DpWindows,
     dp_link,
     ep_comm_terms,
     ep_group_link,
@@ -61,7 +62,8 @@ from threefold.planner.kernels import elementwise_bytes, gemm_factor, head_facto
 from threefold.planner.layout import Layout
 from threefold.planner.memory import ACT_BYTES, expert_dp
 from threefold.planner.model import ModelShape
-from threefold.planner.units import unit
+from threefold.planner.overlap import exposed_share, modelled
+from threefold.planner.units import seconds  # noqa: F401 (cost.seconds: the fits' API)
 
 CATEGORIES = (
     "compute",
@@ -89,10 +91,6 @@ PARAMS = (
 )
 
 Terms = dict  # parameter name -> coefficient
-
-
-def seconds(terms: Terms, cluster: Cluster, category: str = "") -> float:
-    return sum(coef * unit(cluster, name, category) for name, coef in terms.items())
 
 
 def _add(into: Terms, name: str, coef: float) -> None:
@@ -171,7 +169,8 @@ class _StepInputs:
         t, act = layout.tp, ACT_BYTES[dtype]
         tokens = layout.mbs * (shape.seq_len // layout.cp)
         replicas = layout.dp * layout.cp
-        moved = elementwise_bytes(shape.cfg, t, act, layout.sp, cluster.device != "cpu") * tokens / cluster.core_share
+        fused = cluster.attention_efficiency > 0  # a fused kernel keeps the probabilities on chip
+        moved = elementwise_bytes(shape.cfg, t, act, layout.sp, fused) * tokens / cluster.core_share
         return cls(
             shape=shape,
             cluster=cluster,
@@ -182,8 +181,8 @@ class _StepInputs:
             tokens=tokens,
             gradient_replicas=replicas,
             full_recompute=int(layout.recompute == "full"),
-            layer_gemm_factor=gemm_factor(shape.cfg, tokens, t, cluster.gemm_half_dim),
-            head_gemm_factor=head_factor(shape.cfg, tokens, t, cluster.gemm_half_dim),
+            layer_gemm_factor=gemm_factor(shape.cfg, tokens, t, cluster),
+            head_gemm_factor=head_factor(shape.cfg, tokens, t, cluster),
             elementwise_bytes=moved,
             cp_layer=cp_comm_terms(shape, cluster, layout, act, latency_steps),
         )
@@ -209,9 +208,9 @@ def step_terms(
     rank, slowest, lightest = _slowest_and_lightest_rank(step)
     categories: dict[str, Terms] = {name: _scaled(terms, m) for name, terms in slowest.items()}
     _add_bubble(step, categories, slowest)
-    categories["pp_comm"] = pp_comm_terms(shape, cluster, layout, m, step.act_bytes)
+    categories["pp_comm"] = _pp_comm_terms(step, slowest)
     dense, expert = _most_state_held(step)
-    categories["dp_comm"] = _dp_comm_terms(step, dense, expert, rank, slowest["compute"])
+    categories["dp_comm"] = _dp_comm_terms(step, dense, expert, rank, slowest)
     categories["optimizer"] = _optimizer_terms(step, dense, expert)
     categories["overhead"] = merge_terms(categories["overhead"], {"step_overhead_s": 1.0})
     # The idlest rank waits for the bubble, the transfers and for the slowest rank's extra work.
@@ -283,6 +282,22 @@ def _add_bubble(step: _StepInputs, categories: dict[str, Terms], slowest: dict[s
         categories["bubble"] = _scaled(merge_terms(*slowest.values()), m * ratio)
 
 
+def _pp_comm_terms(step: _StepInputs, mb: dict[str, Terms]) -> Terms:
+    """The slowest rank's own pipeline transfers (comm_cost.py). Modelled overlap (overlap.py):
+    posted ahead, each hides behind one chunk's forward of a micro-batch; the 2 (p - 1) of the
+    fill and drain wait on the critical path."""
+    shape, cluster, layout, m = step.shape, step.cluster, step.layout, step.microbatches
+    terms = pp_comm_terms(shape, cluster, layout, m, step.act_bytes)
+    if not terms or cluster.overlap != "modelled":
+        return terms
+    transfers = 4 * m * layout.vpp if layout.pp >= 3 else 2 * m * (2 * layout.vpp - 1)
+    one = seconds(terms, cluster, "pp_comm") / transfers
+    chunk = seconds(mb["compute"], cluster, "compute") / 3 / layout.vpp
+    critical = min(1.0, 2 * (layout.pp - 1) / transfers)
+    share = critical + (1 - critical) * exposed_share(one, chunk)
+    return _scaled(terms, share)
+
+
 def _most_state_held(step: _StepInputs) -> tuple[float, float]:
     """(dense, expert) parameters of the pipeline rank holding the most: dense over tp, experts
     whole on each TP rank and split over ep (ModelShape.state_numel)."""
@@ -299,17 +314,39 @@ def _most_state_held(step: _StepInputs) -> tuple[float, float]:
     return max(held, key=sum)
 
 
-def _dp_comm_terms(step: _StepInputs, dense: float, expert: float, rank: str, slowest_compute: Terms) -> Terms:
-    """The gradient synchronisation of the rank holding the most (comm_cost.py); on the last
-    stage only what outlasts the backward passes the earlier stages still run."""
-    layout, cluster = step.layout, step.cluster
-    terms = gradient_sync_terms(cluster, layout, dense, expert, step.microbatches, step.act_bytes)
-    if layout.pp == 1 or rank != "last" or not terms:
+def _dp_comm_terms(step: _StepInputs, dense: float, expert: float, rank: str, mb: dict[str, Terms]) -> Terms:
+    """The gradient synchronisation of the rank holding the most (comm_cost.py). Modelled
+    overlap (overlap.py): the buckets reduce behind the last micro-batch's backward, and on the
+    last of several stages behind the p - 1 backward passes the earlier stages still run; the
+    link's other traffic in that window (pipeline sends, cp, ep on the same link) waits with
+    them. Fixed overlap: only the last stage's window applies (evaluated at the cluster's
+    values, which keeps the terms linear around them)."""
+    layout, cluster, m = step.layout, step.cluster, step.microbatches
+    compute = seconds(mb["compute"], cluster, "compute") + seconds(mb["recompute"], cluster, "recompute")
+    stages_behind = (layout.pp - 1) if layout.pp > 1 and rank == "last" else 0
+    backward = compute * 2 / 3 * (1 + stages_behind)
+    if modelled(cluster, cluster.dp_overlap):
+        link = dp_link(cluster, layout)
+        shared = sum(
+            seconds(terms, cluster, cat) * share
+            for cat, terms, share in (
+                ("pp_comm", pp_comm_terms(step.shape, cluster, layout, 1, step.act_bytes), 0.5),
+                ("cp_comm", mb["cp_comm"], 2 / 3),
+                ("ep_comm", mb["ep_comm"], 2 / 3),
+            )
+            if any(name.startswith(link) for name in terms)
+        )
+        layers = step.shape.layers if layout.pp == 1 else step.shape.stage_split(layout.pp, layout.vpp).first_layers
+        windows = DpWindows(backward=backward, forward=compute / 3, step=m * compute, blocks=layers, shared=shared)
+        return gradient_sync_terms(cluster, layout, dense, expert, m, step.act_bytes, windows)
+    terms = gradient_sync_terms(cluster, layout, dense, expert, m, step.act_bytes)
+    if not stages_behind or not terms or cluster.dp_overlap >= 0:
+        # A fixed share: the first stage's backward ends the pipeline, and its reduction
+        # follows with that share hidden, whichever rank is slowest.
         return terms
     # 1F1B: the last stage's final backward ends p - 1 backward passes before the first stage's,
-    # and its reduction runs in that window; only what outlasts it is exposed (evaluated at the
-    # cluster's values, which keeps the terms linear around them).
-    window = (layout.pp - 1) * seconds(slowest_compute, cluster, "compute") * 2 / 3
+    # and its reduction runs in that window; only what outlasts it is exposed.
+    window = stages_behind * seconds(mb["compute"], cluster, "compute") * 2 / 3
     comm = seconds(terms, cluster, "dp_comm")
     return _scaled(terms, max(0.0, comm - window) / comm) if comm > 0 else {}
 

@@ -26,6 +26,7 @@ neighbouring ranks: the intra-node link while that fits a node, else the inter-n
 from __future__ import annotations
 
 from threefold.model.flops import attention_flops_per_token_per_layer
+from threefold.planner.kernels import attention_factor
 
 Terms = dict
 
@@ -49,7 +50,9 @@ def attention_forward_s(shape, cluster, layout) -> float:
     load-balanced split gives every rank 1/cp of the whole sequence's attention FLOPs."""
     tokens = layout.mbs * shape.seq_len / layout.cp
     flops = attention_flops_per_token_per_layer(shape.cfg, shape.seq_len) * tokens / layout.tp
-    return flops / (cluster.peak_flops * cluster.compute_efficiency)
+    # A fused kernel's own rate where the profile has one (planner/kernels.py); cpu: the GEMM rate.
+    factor = attention_factor(shape.cfg, cluster) if cluster.attention_efficiency > 0 else 1.0
+    return flops * factor / (cluster.peak_flops * cluster.compute_efficiency)
 
 
 def cp_traffic(shape, cluster, layout, act: int, latency_steps) -> dict[str, float]:

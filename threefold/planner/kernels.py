@@ -1,54 +1,106 @@
-"""What a layer's kernels cost beyond its FLOPs at peak: small GEMMs and memory-bound work.
+"""What a layer's kernels cost beyond its FLOPs at peak: GEMM shapes, attention, memory-bound work.
 
-Two effects make achieved throughput depend on the model's shape rather than being one
-constant of the device:
+Achieved throughput depends on the model's shape, not only on the device:
 
-- A GEMM runs below its large-shape rate when one of its sides is small (too few tiles to fill
-  the machine, too little reuse per byte). The planner uses a saturating curve in the GEMM's
-  smallest dimension n: efficiency(n) = compute_efficiency * n / (n + gemm_half_dim), so the
-  time at peak is multiplied by 1 + gemm_half_dim / n. A layer's factor is the FLOP-weighted
-  mean over its GEMMs, each taken per tensor-parallel shard (tp splits one side of each).
-- Norms, residual adds, rotary embeddings, the activation function and the softmax read and
-  write activations and do little arithmetic: bytes moved / elementwise_bw_gbps, not FLOPs.
+- **GEMMs** (`gemm_factor`). A GEMM's time at `compute_efficiency` of peak is multiplied by
+    waves(m, n) * (1 + gemm_half_dim / min(m, n, k))
+  `waves` is wave quantization on a GPU: the output is cut into TILE x TILE tiles, one per SM
+  at a time, and the last wave runs part-empty (ceil(tiles / sm_count) * sm_count / tiles; 1
+  without `sm_count`, cpu). The second factor is the saturating curve of a small side (too
+  little reuse per byte, too short a k loop to fill the pipeline). `compute_efficiency` is the
+  large-shape rate: an 8192^3 bf16 GEMM through PyTorch on an H200 runs at 769-798 TFLOP/s,
+  78-81% of the 989 datasheet peak (issue 36's measurement), which these factors put at 0.82
+  for the profile. Each GEMM is taken per tensor-parallel shard; backward's two GEMMs of a
+  forward one are charged its factor (the same three sizes, permuted).
+- **Attention** (`attention_factor`). A fused kernel (flash attention) has a rate of its own:
+  `attention_efficiency` of peak at head dim 128 and long sequences, times s / (s +
+  attention_half_seq) (short sequences do not fill the SMs with query tiles) and
+  hd (128 + 16) / (128 (hd + 16)) (a head dim of 64 halves the work per loaded tile; FlashAttention-2's
+  H100 figures run hd 64 about a tenth below hd 128). Without `attention_efficiency` (cpu) the
+  attention core is a GEMM of smallest side min(s, head_dim) like the others.
+- **Memory-bound work** (`elementwise_bytes`): norms, residual adds, rotary embeddings, the
+  activation function and, unfused, the softmax read and write activations and do little
+  arithmetic: bytes moved / elementwise_bw_gbps, not FLOPs (about 4.3 TB/s device to device on
+  an H200 through PyTorch, counting bytes read and written).
 
-Both are per token, so they scale with the micro-batch and the model's width the way the GEMMs
-do not (a GEMM is h^2 per token, element-wise work h).
+The factors are per token, so they scale with micro-batch and width the way the GEMMs do not.
 """
 
 from __future__ import annotations
 
+import math
+
 BACKWARD_TRAFFIC = 2.0  # a backward reads the forward's inputs and the incoming gradient, writes one
+TILE = 128  # output tile side of the large-shape GEMM kernels (cuBLAS/CUTLASS on Ampere and Hopper)
+HEAD_DIM_HALF = 16.0  # attention: head dim at which a loaded tile's work would halve (relative to 128)
 
 
-def _dims(cfg, tokens: int, t: int) -> list[tuple[float, float]]:
-    """(forward FLOPs per token, smallest side) of each GEMM of one dense layer on a TP rank."""
-    h, f, s = cfg.hidden, cfg.ffn_hidden, cfg.seq_len
+def _gemms(cfg, tokens: int, t: int) -> list[tuple[float, tuple[float, float, float]]]:
+    """(forward FLOPs per token, (m, n, k)) of each GEMM of one dense layer on a TP rank."""
+    h, f = cfg.hidden, cfg.ffn_hidden
     head_dim = h // cfg.heads
     kvd = head_dim * (getattr(cfg, "kv_heads", 0) or cfg.heads)
     mats = 3 if cfg.arch == "llama" else 2
+    qkv = (h + 2 * kvd) / t
     return [
-        (2 * h * (h + 2 * kvd) / t, min(tokens, h, (h + 2 * kvd) / t)),  # q, k, v projections (column-parallel)
-        (2 * h * h / t, min(tokens, h / t, h)),  # output projection (row-parallel)
-        (2 * mats * h * f / t, min(tokens, h, f / t)),  # MLP matrices
-        (2 * s * h / t, min(s, head_dim)),  # causal attention: QK^T and PV over half the keys, per head
+        (2 * h * qkv, (tokens, qkv, h)),  # q, k, v projections (column-parallel)
+        (2 * h * h / t, (tokens, h, h / t)),  # output projection (row-parallel)
+        (2 * (mats - 1) * h * f / t, (tokens, (mats - 1) * f / t, h)),  # MLP up (and gate), column-parallel
+        (2 * h * f / t, (tokens, h, f / t)),  # MLP down, row-parallel
     ]
 
 
-def gemm_factor(cfg, tokens: int, t: int, half_dim: float) -> float:
-    """FLOP-weighted mean of 1 + half_dim / n over one layer's GEMMs (n: each one's smallest
-    side), for `tokens` tokens per micro-batch on one of `t` TP ranks; 1 when half_dim is 0."""
-    if half_dim <= 0:
-        return 1.0
-    dims = _dims(cfg, tokens, t)
-    total = sum(fl for fl, _ in dims)
-    return sum(fl * (1.0 + half_dim / max(n, 1.0)) for fl, n in dims) / total
+def attention_flops(cfg, t: int) -> float:
+    """Forward FLOPs per token of the causal attention core on a TP rank: QK^T and PV over half the keys."""
+    return 2 * cfg.seq_len * cfg.hidden / t
 
 
-def head_factor(cfg, tokens: int, t: int, half_dim: float) -> float:
+def shape_factor(m: float, n: float, k: float, cluster) -> float:
+    """Time of an (m x k) @ (k x n) GEMM over its FLOPs at compute_efficiency of peak."""
+    factor = 1.0
+    if cluster.sm_count > 0:
+        tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
+        factor = math.ceil(tiles / cluster.sm_count) * cluster.sm_count / tiles
+    if cluster.gemm_half_dim > 0:
+        factor *= 1.0 + cluster.gemm_half_dim / max(1.0, min(m, n, k))
+    return factor
+
+
+def attention_factor(cfg, cluster) -> float:
+    """Time of the attention core over its FLOPs at compute_efficiency of peak."""
+    s, head_dim = cfg.seq_len, cfg.hidden // cfg.heads
+    if cluster.attention_efficiency <= 0:
+        return 1.0 + cluster.gemm_half_dim / max(1.0, min(s, head_dim)) if cluster.gemm_half_dim > 0 else 1.0
+    by_seq = s / (s + cluster.attention_half_seq)
+    by_head = head_dim * (128 + HEAD_DIM_HALF) / (128 * (head_dim + HEAD_DIM_HALF))
+    return cluster.compute_efficiency / (cluster.attention_efficiency * by_seq * by_head)
+
+
+def gemm_factor(cfg, tokens: int, t: int, cluster) -> float:
+    """FLOP-weighted mean time factor of one layer's GEMMs and attention core, for `tokens`
+    tokens per micro-batch on one of `t` TP ranks."""
+    parts = [(fl, shape_factor(*mnk, cluster)) for fl, mnk in _gemms(cfg, tokens, t)]
+    parts.append((attention_flops(cfg, t), attention_factor(cfg, cluster)))
+    return sum(fl * x for fl, x in parts) / sum(fl for fl, _ in parts)
+
+
+def head_factor(cfg, tokens: int, t: int, cluster) -> float:
     """The vocabulary head's GEMM, tokens x hidden x vocab/tp."""
-    if half_dim <= 0:
-        return 1.0
-    return 1.0 + half_dim / max(1.0, min(tokens, cfg.hidden, cfg.vocab / t))
+    return shape_factor(tokens, cfg.vocab / t, cfg.hidden, cluster)
+
+
+def region_gemm_seconds(cfg, tokens: int, t: int, cluster) -> dict[str, tuple[float, float]]:
+    """Per tensor-parallel region ("attention", "mlp"), one micro-batch's (entry projection's
+    GEMM, the region's forward GEMMs) seconds on a TP rank: the first is the window that hides
+    backward's dX collective (behind dW) and SP's re-gather (behind dX), each the forward
+    GEMM's size; the second what pipelined forward collectives can hide behind."""
+    rate = cluster.peak_flops * cluster.compute_efficiency / tokens
+
+    def took(flops: float, mnk) -> float:
+        return flops * shape_factor(*mnk, cluster) / rate
+
+    qkv, out, up, down = (took(fl, mnk) for fl, mnk in _gemms(cfg, tokens, t))
+    return {"attention": (qkv, qkv + out), "mlp": (up, up + down)}
 
 
 def elementwise_bytes(cfg, t: int, act: int, sp: bool = False, fused_attention: bool = False) -> float:

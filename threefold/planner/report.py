@@ -9,6 +9,7 @@ from threefold.model.flops import active_params
 from threefold.planner.cluster import Cluster, GiB
 from threefold.planner.faults import FaultAdvice
 from threefold.planner.model import ModelShape
+from threefold.planner.overlap import overlap_lines
 from threefold.planner.predict import Prediction
 from threefold.planner.search import KIND_TITLES, Plan
 from threefold.planner.validation import TOLERANCE, annotation, split_note
@@ -203,6 +204,7 @@ def plan_text(plan: Plan, top: int, advice: FaultAdvice | None) -> str:
         split_note(plan.cluster.validation, used),
         "",
         "best " + describe_prediction(plan.best, plan.cluster),
+        *overlap_lines(plan.cluster),
     ]
     if advice:
         out.append("  faults: " + advice.sentence())
@@ -221,6 +223,7 @@ def plan_json(plan: Plan, top: int, advice: FaultAdvice | None, emitted: str | N
         "layouts": [p.as_dict() for p in plan.ranked[:top]],
         "rejected": [r.as_dict() for r in sorted(plan.rejected.values(), key=lambda r: -r.count)],
         "faults": advice.as_dict() if advice else None,
+        "overlap": overlap_lines(plan.cluster),
         "emitted_config": emitted,
     }
 

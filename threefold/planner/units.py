@@ -34,6 +34,11 @@ def unit(cluster, name: str, category: str = "") -> float:
     return value
 
 
+def seconds(terms: dict, cluster, category: str = "") -> float:
+    """A category's terms {parameter: coefficient} in seconds at the cluster's values."""
+    return sum(coef * unit(cluster, name, category) for name, coef in terms.items())
+
+
 def from_unit(name: str, u: float) -> float:
     """The parameter value whose unit() is `u` (the inverse of unit)."""
     if name == "compute_efficiency":
