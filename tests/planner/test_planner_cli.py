@@ -57,7 +57,9 @@ def test_layout_evaluation_json(capsys):
     assert lay["sp"] is True and lay["recompute"] == "selective" and lay["fits"]
     assert sum(lay["time_split_s"].values()) == pytest.approx(lay["step_time_s"])
     # Narayanan et al. 2021 measured 52% for this layout on A100s (Table 1); docs/planner.md quotes the prediction.
-    assert lay["mfu"] == pytest.approx(0.505, abs=0.005)  # GEMM shapes, fused attention, modelled overlap
+    assert lay["mfu"] == pytest.approx(
+        0.495, abs=0.005
+    )  # GEMM shapes, fused attention, modelled overlap and its slowdown
     assert doc["faults"]["interval_s"] > 0
     # Without a calibrated profile the interval is the prior's: a factor of 2 per sigma, 2 sigma each way.
     lo, hi = lay["step_time_interval_s"]

@@ -61,10 +61,20 @@ class Cluster:
         "(-1 = profile; 0 = a GEMM like the others, cpu)",
     )
     attention_half_seq: float = knob(-1.0, "Sequence length at which attention runs at half that rate (-1 = profile)")
+    attention_scores: str = knob(
+        "causal",
+        "Unfused attention (attention_efficiency 0): causal = QK^T, softmax and PV over the causal half "
+        "(threefold's SDPA); square = over all s x s scores, the mask applied in the softmax (Megatron-LM's "
+        "baddbmm and scaled masked softmax before flash attention)",
+    )
     overlap: str = knob(
         "",
         "modelled = each transfer hides what the compute beside it covers, on its own link (GPUs); "
         "none = every transfer exposed but dp_overlap/tp_overlap's share (cpu: gloo shares the cores) ('' = profile)",
+    )
+    overlap_slowdown: float = knob(
+        -1.0,
+        "Share of each hidden second of a transfer the compute beside it loses (modelled overlap; -1 = profile)",
     )
     tp_overlap_scope: str = knob(
         "backward",
@@ -150,6 +160,9 @@ _GPU_COMMON = dict(
     layer_overhead_us=10.0,
     step_overhead_s=0.01,
     overlap="modelled",
+    # Compute beside an overlapped collective runs 18.9% slower on average (arXiv 2507.03114,
+    # H100, A100, MI250, MI210; up to 40%): NCCL's kernels take SMs and memory bandwidth.
+    overlap_slowdown=0.19,
     devices_per_node=8,
     # Beyond wave quantization (sm_count), a GEMM whose smallest side is 32 runs at half its
     # large-shape rate: too few k steps to fill the tensor-core pipeline, too little reuse per byte.
@@ -241,6 +254,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         sm_count=0,
         attention_efficiency=0.0,
         attention_half_seq=0.0,
+        overlap_slowdown=0.0,
         overlap="none",  # gloo's transfers run on the cores the compute needs (docs/planner.md)
         core_share_exponent=1.3,
     ),
@@ -273,12 +287,14 @@ _FROM_PROFILE_IF = {
     "attention_efficiency": -1.0,
     "attention_half_seq": -1.0,
     "overlap": "",
+    "overlap_slowdown": -1.0,
     "core_share_exponent": 0.0,
 }
 CHOICES = {
     "overlap": ("modelled", "none"),
     "tp_overlap_scope": ("backward", "all", "none"),
     "param_gather": ("after_step", "forward"),
+    "attention_scores": ("causal", "square"),
 }
 
 # The keys of a [cluster] table and of --cluster.KEY (validation is a table of its own).
@@ -430,8 +446,16 @@ def check_cluster(c: Cluster) -> None:
     for key, valid in CHOICES.items():
         if getattr(c, key) not in valid:
             raise ConfigError(f"cluster.{key}", f"{getattr(c, key)!r} is not one of {', '.join(valid)}")
+    if not 0 <= c.overlap_slowdown <= 1:
+        raise ConfigError("cluster.overlap_slowdown", f"{c.overlap_slowdown} is outside [0, 1]")
     if not 0 <= c.attention_efficiency <= 1:
         raise ConfigError("cluster.attention_efficiency", f"{c.attention_efficiency} is outside [0, 1]")
+    if c.attention_scores == "square" and c.attention_efficiency > 0:
+        raise ConfigError(
+            "cluster.attention_scores",
+            f"'square' is the unfused kernel's, but attention_efficiency is {c.attention_efficiency} (a fused "
+            "kernel); set attention_efficiency = 0 or attention_scores = 'causal'",
+        )
     for key in (
         "reserved_gib",
         "gemm_half_dim",

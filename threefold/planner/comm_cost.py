@@ -43,7 +43,7 @@ from threefold.planner.kernels import region_gemm_seconds
 from threefold.planner.layout import Layout
 from threefold.planner.memory import expert_dp
 from threefold.planner.model import ModelShape
-from threefold.planner.overlap import BUCKET_PARAMS, exposed_share, fixed_exposed, modelled
+from threefold.planner.overlap import BUCKET_PARAMS, charged, exposed_share, fixed_exposed, modelled
 from threefold.planner.units import seconds
 
 Terms = dict  # parameter name -> coefficient (planner/cost.py)
@@ -125,7 +125,7 @@ def tp_comm_terms(
     collective(one["ag"], link, ring * activation, steps_per_call[1], 1)
     ar, ag = (seconds(one[k], cluster, "tp_comm") for k in ("ar", "ag"))
     hidden = _tp_hidden(shape, cluster, layout, ar, ag, layers, moe_layers)
-    return _scaled(terms, max(0.0, total - hidden) / total)
+    return _scaled(terms, charged(max(0.0, total - hidden) / total, cluster))
 
 
 def _tp_hidden(shape, cluster, layout, ar: float, ag: float, layers: int, moe_layers: float) -> float:
@@ -243,7 +243,7 @@ def gradient_sync_terms(
         return terms
     for kind, part in parts.items():
         for name, coef in _scaled(
-            part, _dp_exposed(kind, part, cluster, min(1.0, BUCKET_PARAMS / held), windows)
+            part, charged(_dp_exposed(kind, part, cluster, min(1.0, BUCKET_PARAMS / held), windows), cluster)
         ).items():
             terms[name] = terms.get(name, 0.0) + coef
     return terms
@@ -264,6 +264,10 @@ class DpWindows:
     """Layers on the rank: the first block's gather of each pass is exposed (ZeRO-3)."""
     shared: float
     """Other traffic on the dp link during the backward window (pipeline sends, cp, ep)."""
+    chunks: int = 1
+    """Model chunks per pipeline rank (interleaved): each chunk's buckets start after its own
+    last backward, which comes `stages` micro-batch chunks before the next chunk's."""
+    stages: int = 1
 
 
 def _dp_exposed(kind: str, part: Terms, cluster: Cluster, bucket_share: float, w: DpWindows) -> float:
@@ -272,6 +276,14 @@ def _dp_exposed(kind: str, part: Terms, cluster: Cluster, bucket_share: float, w
     gather after the step, or behind the first forward but its first bucket; ZeRO-3's per
     block, one block ahead, the first block's exposed."""
     total = seconds(part, cluster, "dp_comm")
+    if kind == "reduce" and w.chunks > 1 and total > 0:
+        # Interleaved: chunk k from the end (k = 0 finishes last) has its own last backward and
+        # the k * stages chunk backwards of the cool-down after it to hide behind; only the last
+        # chunk's last bucket has nothing after it.
+        per, window = total / w.chunks, max(0.0, w.backward - w.shared) / w.chunks
+        last = max(min(bucket_share * total, per), per - window)
+        exposed = last + sum(max(0.0, per - window * (1 + k * w.stages)) for k in range(1, w.chunks))
+        return min(1.0, exposed / total)
     if kind == "reduce":
         return exposed_share(total, max(0.0, w.backward - w.shared), bucket_share * total)
     if kind == "gather":

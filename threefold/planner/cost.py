@@ -62,7 +62,7 @@ from threefold.planner.kernels import elementwise_bytes, gemm_factor, head_facto
 from threefold.planner.layout import Layout
 from threefold.planner.memory import ACT_BYTES, expert_dp
 from threefold.planner.model import ModelShape
-from threefold.planner.overlap import exposed_share, modelled
+from threefold.planner.overlap import charged, exposed_share, modelled
 from threefold.planner.units import seconds  # noqa: F401 (cost.seconds: the fits' API)
 
 CATEGORIES = (
@@ -170,7 +170,8 @@ class _StepInputs:
         tokens = layout.mbs * (shape.seq_len // layout.cp)
         replicas = layout.dp * layout.cp
         fused = cluster.attention_efficiency > 0  # a fused kernel keeps the probabilities on chip
-        moved = elementwise_bytes(shape.cfg, t, act, layout.sp, fused) * tokens / cluster.core_share
+        square = not fused and cluster.attention_scores == "square"
+        moved = elementwise_bytes(shape.cfg, t, act, layout.sp, fused, square) * tokens / cluster.core_share
         return cls(
             shape=shape,
             cluster=cluster,
@@ -295,7 +296,7 @@ def _pp_comm_terms(step: _StepInputs, mb: dict[str, Terms]) -> Terms:
     chunk = seconds(mb["compute"], cluster, "compute") / 3 / layout.vpp
     critical = min(1.0, 2 * (layout.pp - 1) / transfers)
     share = critical + (1 - critical) * exposed_share(one, chunk)
-    return _scaled(terms, share)
+    return _scaled(terms, charged(share, cluster))
 
 
 def _most_state_held(step: _StepInputs) -> tuple[float, float]:
@@ -337,7 +338,7 @@ def _dp_comm_terms(step: _StepInputs, dense: float, expert: float, rank: str, mb
             if any(name.startswith(link) for name in terms)
         )
         layers = step.shape.layers if layout.pp == 1 else step.shape.stage_split(layout.pp, layout.vpp).first_layers
-        windows = DpWindows(backward=backward, forward=compute / 3, step=m * compute, blocks=layers, shared=shared)
+        windows = DpWindows(backward, compute / 3, m * compute, layers, shared, layout.vpp, layout.pp)
         return gradient_sync_terms(cluster, layout, dense, expert, m, step.act_bytes, windows)
     terms = gradient_sync_terms(cluster, layout, dense, expert, m, step.act_bytes)
     if not stages_behind or not terms or cluster.dp_overlap >= 0:

@@ -12,7 +12,10 @@ Achieved throughput depends on the model's shape, not only on the device:
   78-81% of the 989 datasheet peak (issue 36's measurement), which these factors put at 0.82
   for the profile. Each GEMM is taken per tensor-parallel shard; backward's two GEMMs of a
   forward one are charged its factor (the same three sizes, permuted).
-- **Attention** (`attention_factor`). A fused kernel (flash attention) has a rate of its own:
+- **Attention** (`attention_factor`). Unfused, `attention_scores` says whether the kernels skip
+  the masked half (causal) or compute every score of the s x s square and mask it in the softmax
+  (square: Megatron-LM's baddbmm and scaled masked softmax, twice the FLOPs and probabilities).
+  A fused kernel (flash attention) has a rate of its own:
   `attention_efficiency` of peak at head dim 128 and long sequences, times s / (s +
   attention_half_seq) (short sequences do not fill the SMs with query tiles) and
   hd (128 + 16) / (128 (hd + 16)) (a head dim of 64 halves the work per loaded tile; FlashAttention-2's
@@ -70,7 +73,10 @@ def attention_factor(cfg, cluster) -> float:
     """Time of the attention core over its FLOPs at compute_efficiency of peak."""
     s, head_dim = cfg.seq_len, cfg.hidden // cfg.heads
     if cluster.attention_efficiency <= 0:
-        return 1.0 + cluster.gemm_half_dim / max(1.0, min(s, head_dim)) if cluster.gemm_half_dim > 0 else 1.0
+        # The square computes every score, twice the causal half's FLOPs at the same rate.
+        square = 2.0 if cluster.attention_scores == "square" else 1.0
+        small_side = 1.0 + cluster.gemm_half_dim / max(1.0, min(s, head_dim)) if cluster.gemm_half_dim > 0 else 1.0
+        return square * small_side
     by_seq = s / (s + cluster.attention_half_seq)
     by_head = head_dim * (128 + HEAD_DIM_HALF) / (128 * (head_dim + HEAD_DIM_HALF))
     return cluster.compute_efficiency / (cluster.attention_efficiency * by_seq * by_head)
@@ -103,7 +109,9 @@ def region_gemm_seconds(cfg, tokens: int, t: int, cluster) -> dict[str, tuple[fl
     return {"attention": (qkv, qkv + out), "mlp": (up, up + down)}
 
 
-def elementwise_bytes(cfg, t: int, act: int, sp: bool = False, fused_attention: bool = False) -> float:
+def elementwise_bytes(
+    cfg, t: int, act: int, sp: bool = False, fused_attention: bool = False, square: bool = False
+) -> float:
     """Bytes one TP rank's memory-bound work moves per token of one layer, forward and backward.
 
     Forward, in elements per token: two norms (read and write h each), two residual adds (read
@@ -111,12 +119,15 @@ def elementwise_bytes(cfg, t: int, act: int, sp: bool = False, fused_attention: 
     keys, written and read: what a non-fused softmax moves) and the activation function (SwiGLU
     reads gate and up, writes one; GELU reads and writes f). The norms and residuals act on the
     whole hidden state unless sequence parallelism splits it; the rest is split over tp. A fused
-    attention kernel (flash attention on GPUs) keeps the probabilities on chip: none of them move."""
+    attention kernel (flash attention on GPUs) keeps the probabilities on chip: none of them move.
+    `square` (unfused, every score computed, the causal mask applied inside the softmax): the
+    softmax reads and writes all s keys, twice the causal half."""
     h, f, s = cfg.hidden, cfg.ffn_hidden, cfg.seq_len
     head_dim = h // cfg.heads
     kvd = head_dim * (getattr(cfg, "kv_heads", 0) or cfg.heads)
     replicated = (4 * h + 6 * h) / (t if sp else 1)
     rope = 2 * (h + kvd) if cfg.arch == "llama" else 0
     act_fn = 3 * f if cfg.arch == "llama" else 2 * f
-    split = (rope + (0 if fused_attention else cfg.heads * s) + act_fn) / t
+    probabilities = 0 if fused_attention else cfg.heads * s * (2 if square else 1)
+    split = (rope + probabilities + act_fn) / t
     return (1.0 + BACKWARD_TRAFFIC) * (replicated + split) * act

@@ -39,6 +39,10 @@ ASSUMPTIONS = {
     "accumulators with it (planner/cp_cost.py); a2a: exposed",
     "ep_comm": "all-to-alls exposed: nothing of the same micro-batch can run beside dispatch and combine",
 }
+SLOWDOWN = (
+    "each hidden second of a transfer costs overlap_slowdown of a second of the compute beside it "
+    "(NCCL's kernels take SMs and memory bandwidth: 18.9% on average, arXiv 2507.03114)"
+)
 
 
 def exposed_share(transfer_s: float, window_s: float, tail_s: float = 0.0) -> float:
@@ -47,6 +51,13 @@ def exposed_share(transfer_s: float, window_s: float, tail_s: float = 0.0) -> fl
     if transfer_s <= 0:
         return 0.0
     return min(1.0, max(min(tail_s, transfer_s), transfer_s - window_s) / transfer_s)
+
+
+def charged(share: float, cluster) -> float:
+    """The share of a transfer's time the step pays once the compute it hides behind runs
+    slower beside it (`overlap_slowdown` of each hidden second: NCCL's kernels take SMs and
+    memory bandwidth from the GEMMs they overlap)."""
+    return share + cluster.overlap_slowdown * (1.0 - share)
 
 
 def modelled(cluster, fixed: float) -> bool:
@@ -77,4 +88,5 @@ def overlap_lines(cluster) -> list[str]:
         f"  dp_comm  {dp}" if cluster.dp_overlap < 0 else f"  dp_comm  {cluster.dp_overlap:.0%} hidden (fixed)"
     )
     lines += [f"  {c}  {ASSUMPTIONS[c]}" for c in ("pp_comm", "cp_comm", "ep_comm")]
+    lines.append(f"  tp, dp, pp: {SLOWDOWN}; here {cluster.overlap_slowdown:.0%}")
     return lines

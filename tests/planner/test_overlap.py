@@ -1,0 +1,41 @@
+"""Modelled overlap's costs (planner/overlap.py, planner/comm_cost.py): the compute beside a hidden
+transfer is charged `overlap_slowdown` of it, and an interleaved stage reduces each chunk's
+gradients behind the chunks that finish after it."""
+
+from __future__ import annotations
+
+import pytest
+from planner_helpers import model
+
+from threefold.errors import ConfigError
+from threefold.planner import Layout, build_cluster, model_shape, predict
+
+SHAPE = model_shape(model([("model.preset", "llama-7b")]))
+
+
+def _comm(cluster: dict, layout: Layout, global_batch: int) -> dict[str, float]:
+    pred = predict(SHAPE, build_cluster({"device": "h100", "nodes": 4, **cluster}), layout, global_batch)
+    return {k: v for k, v in pred.times.items() if k in ("tp_comm", "pp_comm", "dp_comm", "compute")}
+
+
+def test_overlapped_compute_is_charged_its_slowdown():
+    layout = Layout(tp=2, pp=2, dp=8, mbs=1)
+    free, cited, whole = (_comm({"overlap_slowdown": s}, layout, 256) for s in (0.0, 0.19, 1.0))
+    for category in ("tp_comm", "pp_comm", "dp_comm"):
+        assert free[category] < cited[category] < whole[category], category
+    assert free["compute"] == cited["compute"] == whole["compute"]
+    # Charged whole, a hidden second costs what an exposed one does: nothing hidden at all.
+    exposed = _comm({"tp_overlap": 0.0, "dp_overlap": 0.0}, layout, 256)
+    assert whole["tp_comm"] == pytest.approx(exposed["tp_comm"])
+    assert whole["dp_comm"] == pytest.approx(exposed["dp_comm"])
+    with pytest.raises(ConfigError, match="cluster.overlap_slowdown"):
+        build_cluster({"device": "h100", "overlap_slowdown": 1.5})
+
+
+def test_interleaved_chunks_reduce_their_gradients_behind_the_later_chunks():
+    # A slow link, so the gradient reduction outlasts the last micro-batch's backward.
+    slow = {"overlap_slowdown": 0.0, "intra_bw_gbps": 10, "inter_bw_gbps": 10}
+    plain = _comm(slow, Layout(tp=1, pp=4, dp=8, mbs=1), 64)
+    two, four = (_comm(slow, Layout(tp=1, pp=4, dp=8, mbs=1, schedule="interleaved", vpp=v), 64) for v in (2, 4))
+    assert plain["compute"] == two["compute"] == four["compute"]
+    assert plain["dp_comm"] > 1.4 * two["dp_comm"] and two["dp_comm"] > 1.4 * four["dp_comm"]
