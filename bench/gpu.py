@@ -6,6 +6,9 @@ MFU of a ~1B model in bf16 and its step time next to a plain PyTorch loop.
 
 Phases, in order, with their expected wall time on one H200. These are estimates from the work
 each phase does, not measurements; --budget-s skips a phase whose estimate exceeds the time left:
+  sweep        ~20 s  24 bf16 GEMMs, 8 fused causal attention problems and a 1 GiB copy, fitted to
+                      the planner's kernel knobs and written as a [cluster] profile (--profile-out;
+                      bench/kernel_sweep.py, threefold/planner/kernel_fit.py)
   attention    ~10 s  CUDA start-up; 8 SDPA forward + backward problems (2 x 8 heads x 256 x 64 or
                       128) and their CPU fp32 references
   optimizer     ~5 s  5 AdamW steps on 1,000 parameters, the foreach path and the fused kernel
@@ -19,10 +22,12 @@ each phase does, not measurements; --budget-s skips a phase whose estimate excee
   memory       ~20 s  one eager gpt-1.3b step under `threefold memory`'s probe
   plain       ~120 s  the plain recipe compiled whole (24 blocks traced into one graph, ~100 s),
                       then its 12 steps
-  ~315 s in all; the default --budget-s 420 on CUDA (none on CPU) keeps one call under 8 minutes
+  ~335 s in all; the default --budget-s 420 on CUDA (none on CPU) keeps one call under 8 minutes
   with the interpreter's start and a phase that overruns its estimate.
 
 Checks (value <= tolerance passes; the tolerances and their reasoning: bench/gpu_checks.py):
+  sweep fit <knob>             a fitted knob's value (no tolerance; the fit and its points are the
+                               JSON's "kernel_fit")
   attention <backend> <dtype>  threefold's AttentionCore (SDPA, causal, GQA) per SDPA backend:
                                max |out - ref| and max |dq - ref dq|, relative to max |ref|
                                ("not served": SDPA refuses that backend for the dtype/shape;
@@ -48,8 +53,11 @@ torch.autocast(bf16), F.cross_entropy, AdamW (fused on CUDA, foreach on CPU) and
 clip_grad_norm_(foreach=True), the usual PyTorch recipe; both run the same steps and drop the
 same warm-up steps (which include the compilation), each after torch._dynamo.reset(). --eager
 runs both without compiling. Memory: the threefold run's peak allocated bytes next to `threefold
-memory`'s measured and predicted totals for the same configuration (one eager step). No run
-saves a checkpoint. TF32 stays off.
+memory`'s measured and predicted totals for the same configuration (one eager step). Planner:
+the planner's prediction of the threefold run on the sweep's fitted profile (or the device's
+built-in one when the sweep did not run), next to the run's spans per measured category
+(threefold/planner/calibrate.py compare_run; the JSON's performance.planner). No run saves a
+checkpoint. TF32 stays off.
 
 Every check and phase is isolated: any exception (or a worker's exit) becomes that row's FAIL with
 its first line, and the next check runs. The JSON is rewritten atomically (a temp file, then a
@@ -87,6 +95,7 @@ from gpu_checks import (  # noqa: E402
     training_checks,
 )
 from gpu_perf import GIB, Performance, pick_model  # noqa: E402
+from kernel_sweep import sweep  # noqa: E402
 
 from threefold.atomic import atomic_write  # noqa: E402
 
@@ -178,13 +187,19 @@ class Bench:
         return [p["name"] for p in self.doc["phases"] if p.get("status") == "skip"]
 
 
-def phases(device: str, tiny: bool, memory: int, args, cache_dir: str) -> tuple[list[Phase], dict]:
-    """The run's phases, and the performance dict they fill."""
+def phases(device: str, tiny: bool, memory: int, args, cache_dir: str, doc: dict) -> tuple[list[Phase], dict]:
+    """The run's phases, and the performance dict they fill; the sweep's fit goes to doc["kernel_fit"]."""
     runs = TinyRuns(device, cache_dir)
     label, overrides = pick_model(memory, tiny)
     perf = Performance(device, label, overrides, args.steps, cache_dir, not args.eager)
     no_perf = "--skip-perf" if args.skip_perf else ""
+
+    def fit_kernels(emit) -> None:
+        doc["kernel_fit"] = sweep(device, doc["device"], Path(args.profile_out), emit)
+        perf.profile = doc["kernel_fit"]["profile"]
+
     return [
+        Phase("sweep", 20, fit_kernels),
         Phase("attention", 10, lambda emit: attention_checks(device, emit)),
         Phase("optimizer", 5, lambda emit: adamw_checks(device, emit)),
         Phase("training", 25, lambda emit: training_checks(runs, emit)),
@@ -241,6 +256,19 @@ def perf_lines(perf: dict) -> list[str]:
     ]
     if "ratio" in perf:
         lines.append(f"\nthreefold / plain step time: {perf['ratio']:.3f}")
+    planner = perf.get("planner") or {}
+    if planner.get("categories"):
+        lines += [
+            "",
+            f"The planner's prediction of the threefold run ({planner['profile']}), per measured category:",
+            "",
+            "| category | measured ms | predicted ms | predicted / measured - 1 |",
+            "|---|---|---|---|",
+        ]
+        for key, row in planner["categories"].items():
+            lines.append(
+                f"| {key} | {row['measured_s'] * 1e3:.1f} | {row['predicted_s'] * 1e3:.1f} | {row['error']:+.1%} |"
+            )
     mem = perf.get("memory") or {}
     if mem.get("memory_predicted_bytes") and mem.get("train_peak_bytes"):
         lines.append(
@@ -283,6 +311,10 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-perf", action="store_true", help="correctness checks only")
     ap.add_argument("--eager", action="store_true", help="performance without torch.compile on either side")
     ap.add_argument(
+        "--profile-out",
+        help="where the sweep writes its fitted [cluster] profile (default: beside the JSON, <json stem>_profile.toml)",
+    )
+    ap.add_argument(
         "--budget-s",
         type=float,
         help=f"skip a phase whose H200 estimate exceeds the seconds left ({CUDA_BUDGET_S:g} on cuda, none on cpu)",
@@ -301,11 +333,12 @@ def main(argv=None) -> int:
         name, memory = "cpu", 0
     budget = args.budget_s if args.budget_s is not None else CUDA_BUDGET_S if args.device == "cuda" else math.inf
     out = Path(args.json) if args.json else ROOT / DEFAULT_JSON
+    args.profile_out = args.profile_out or str(out.with_name(f"{out.stem}_profile.toml"))
     header = {"device": name, "memory_bytes": memory, "torch": torch.__version__, "cuda": torch.version.cuda}
     header["command"] = " ".join(["python", "bench/gpu.py", *(sys.argv[1:] if argv is None else argv)])
     with tempfile.TemporaryDirectory() as cache_dir:
         bench = Bench(out, header, budget)
-        plan, perf = phases(args.device, args.tiny, memory, args, cache_dir)
+        plan, perf = phases(args.device, args.tiny, memory, args, cache_dir, bench.doc)
         bench.doc["performance"] = perf
         try:
             bench.run(plan)

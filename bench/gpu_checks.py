@@ -298,10 +298,13 @@ def make_cfg(overrides: dict, device: str, dtype: str, steps: int, log_dir: str,
     return validate(build_config(None, [(k, str(v)) for k, v in pairs.items()]), 1)
 
 
-def train_metrics(overrides: dict, device: str, dtype: str, steps: int, cache_dir: str, **extra) -> list[dict]:
-    """threefold's own training worker, in this process (world of 1). The worker sets the
-    process's intra-op threads on CPU (train.threads); they are restored after it, and its
-    process group is left even when it fails, so the next run can join one."""
+def train_metrics(
+    overrides: dict, device: str, dtype: str, steps: int, cache_dir: str, log_dir: str = "", **extra
+) -> list[dict]:
+    """threefold's own training worker, in this process (world of 1), logging into `log_dir` (a
+    temporary one unless given). The worker sets the process's intra-op threads on CPU
+    (train.threads); they are restored after it, and its process group is left even when it
+    fails, so the next run can join one."""
     import torch
 
     from threefold.distributed.runtime import shutdown_distributed
@@ -309,9 +312,10 @@ def train_metrics(overrides: dict, device: str, dtype: str, steps: int, cache_di
 
     threads = torch.get_num_threads()
     try:
-        with tempfile.TemporaryDirectory() as log_dir:
-            run_worker(make_cfg(overrides, device, dtype, steps, log_dir, cache_dir, **extra).to_dict())
-            return [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
+        with tempfile.TemporaryDirectory() as scratch:
+            logs = log_dir or scratch
+            run_worker(make_cfg(overrides, device, dtype, steps, logs, cache_dir, **extra).to_dict())
+            return [json.loads(line) for line in (Path(logs) / "metrics.jsonl").read_text().splitlines()]
     finally:
         shutdown_distributed()
         torch.set_num_threads(threads)

@@ -145,6 +145,8 @@ class Performance:
             "plain_optimizer": ", ".join(f"{k}={v}" for k, v in plain_optimizer_flags(device).items()),
         }
         self.peak_bytes = None
+        self.profile = ""
+        """The sweep's fitted [cluster] profile, once it is written (bench/kernel_sweep.py)."""
 
     def _scale(self) -> None:
         """Tokens, FLOPs and the device's peak, which both contestants' MFU need (once)."""
@@ -177,15 +179,41 @@ class Performance:
 
         def measure() -> float:
             compile_flag = {"train.compile": str(self.compiled).lower()}
-            metrics = train_metrics(
-                self.overrides, self.device, "bf16", self.steps, self.cache_dir, **compile_flag, **self.extra
-            )
-            self.peak_bytes = max(r.get("peak_mem_bytes", 0) for r in metrics)
-            self.perf["final_loss"] = metrics[-1]["loss"]
-            return self._record("threefold", statistics.median(r["step_time_s"] for r in metrics[self.warm :]))
+            with tempfile.TemporaryDirectory() as log_dir:
+                metrics = train_metrics(
+                    self.overrides,
+                    self.device,
+                    "bf16",
+                    self.steps,
+                    self.cache_dir,
+                    log_dir,
+                    **compile_flag,
+                    **self.extra,
+                )
+                self.peak_bytes = max(r.get("peak_mem_bytes", 0) for r in metrics)
+                self.perf["final_loss"] = metrics[-1]["loss"]
+                seconds = self._record("threefold", statistics.median(r["step_time_s"] for r in metrics[self.warm :]))
+                self.perf["planner"] = self._planner_comparison(log_dir)
+            return seconds
 
         emit(guarded("perf_threefold", f"performance threefold ({self.label}), step s", None, measure))
         release(self.device)
+
+    def _planner_comparison(self, log_dir: str) -> dict:
+        """The planner's prediction of this run, category by category, next to what its spans
+        measured: on the sweep's fitted profile when the sweep ran, else the device's profile."""
+        import torch
+        from kernel_sweep import profile_for
+
+        from threefold.planner import build_cluster
+        from threefold.planner.calibrate import compare_run
+        from threefold.planner.runs import load_run
+
+        name = torch.cuda.get_device_name(0) if self.device == "cuda" else "cpu"
+        base = build_cluster({"profile": self.profile} if self.profile else {"device": profile_for(name)})
+        rows = compare_run(load_run(log_dir, warmup=self.warm), base)
+        out = {key: {"measured_s": m, "predicted_s": p, "error": p / m - 1} for key, (m, p) in rows.items()}
+        return {"profile": self.profile or f"built-in {base.device}", "categories": out}
 
     def memory(self, emit) -> None:
         def measure() -> float:

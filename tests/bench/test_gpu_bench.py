@@ -36,8 +36,9 @@ CPU_KEYS = {
     "perf_threefold",
     "perf_memory",
     "perf_plain",
+    *(f"sweep.{k}" for k in ("gemm_half_dim", "peak_tflops", "compute_efficiency", "elementwise_bw_gbps")),
 }
-PHASES = ["attention", "optimizer", "training", "compile", "threefold", "memory", "plain"]
+PHASES = ["sweep", "attention", "optimizer", "training", "compile", "threefold", "memory", "plain"]
 
 
 def bench_env() -> dict:
@@ -69,9 +70,17 @@ def test_forced_failure_is_one_row_and_every_other_row_is_written(tmp_path, caps
     assert rows["adamw_fused"]["phase"] == "optimizer" and rows["adamw_fused"]["value"] < 1e-6
     assert doc["performance"]["memory"]["train_peak_bytes"] is None  # threefold's run failed; memory ran
     assert [p["name"] for p in doc["phases"]] == PHASES
-    assert [p["status"] for p in doc["phases"]] == ["ok", "fail", "ok", "fail", "fail", "ok", "fail"]
+    assert [p["status"] for p in doc["phases"]] == ["ok", "ok", "fail", "ok", "fail", "fail", "ok", "fail"]
     assert all(p["wall_s"] >= 0 for p in doc["phases"]) and doc["finished"] and not doc["all_ok"]
     assert f"| adamw foreach (engine arithmetic) | {note} | 2.4e-06 | FAIL |" in printed
+    # The sweep's fit is a profile the planner takes, with the fitted knobs.
+    from threefold.planner import build_cluster
+
+    fit = doc["kernel_fit"]
+    assert fit["profile"] == str(tmp_path / "out_profile.toml") and len(fit["points"]["gemm"]) == 9
+    planned = build_cluster({"profile": fit["profile"]})
+    for key, value in fit["knobs"].items():
+        assert getattr(planned, key) == pytest.approx(value) and rows[f"sweep.{key}"]["value"] == value, key
 
 
 def test_json_survives_a_kill_between_phases(tmp_path):
@@ -82,9 +91,10 @@ def test_json_survives_a_kill_between_phases(tmp_path):
         deadline, done = time.monotonic() + 90, []
         while not done and time.monotonic() < deadline:
             if out.exists():  # written by rename: never half a file
-                done = [p for p in json.loads(out.read_text())["phases"] if p.get("status") in ("ok", "fail")]
+                phases = json.loads(out.read_text())["phases"]
+                done = [p for p in phases if p["name"] == "attention" and p.get("status") in ("ok", "fail")]
             time.sleep(0.05)
-        assert done, "no phase finished within 90 s"
+        assert done, "the attention phase did not finish within 90 s"
         proc.kill()
         proc.wait(timeout=30)
     finally:
@@ -92,11 +102,12 @@ def test_json_survives_a_kill_between_phases(tmp_path):
             proc.kill()
     doc = json.loads(out.read_text())
     assert not doc["finished"]
-    first = doc["phases"][0]
-    assert first["name"] == "attention" and first["status"] == "ok" and first["wall_s"] > 0
+    first, second = doc["phases"][:2]
+    assert (first["name"], first["status"], second["name"], second["status"]) == ("sweep", "ok", "attention", "ok")
+    assert second["wall_s"] > 0
     attention = [r for r in doc["checks"] if r["phase"] == "attention"]
     assert len(attention) == 9 and all(r["ok"] for r in attention)
-    assert {p["status"] for p in doc["phases"][1:]} <= {"ok", "fail", "running"}
+    assert {p["status"] for p in doc["phases"][2:]} <= {"ok", "fail", "running"}
 
 
 def test_budget_skips_what_would_not_finish_and_says_so(tmp_path, capsys, monkeypatch):
@@ -109,12 +120,13 @@ def test_budget_skips_what_would_not_finish_and_says_so(tmp_path, capsys, monkey
     assert status == {**{name: "skip" for name in PHASES}, "optimizer": "ok"}
     skips = [r for r in doc["checks"] if r.get("skipped")]
     assert [r["key"] for r in skips] == [name for name in PHASES if name != "optimizer"]
-    assert re.fullmatch(r"skipped: expected ~10 s on an H200, [78] s of --budget-s 8 left", skips[0]["note"])
-    assert skips[1]["note"].startswith("skipped: expected ~25 s on an H200, ")
+    assert re.fullmatch(r"skipped: expected ~20 s on an H200, [78] s of --budget-s 8 left", skips[0]["note"])
+    assert re.fullmatch(r"skipped: expected ~10 s on an H200, [78] s of --budget-s 8 left", skips[1]["note"])
+    assert skips[2]["note"].startswith("skipped: expected ~25 s on an H200, ")
     assert [r["key"] for r in doc["checks"] if not r.get("skipped")] == ["adamw", "adamw_fused"]
     assert doc["budget_s"] == 8 and doc["finished"] and doc["all_ok"]
     assert "| attention phase | skipped: expected ~10 s on an H200" in printed
-    assert "skipped phases: attention, training, compile, threefold, memory, plain" in printed
+    assert "skipped phases: sweep, attention, training, compile, threefold, memory, plain" in printed
 
 
 def test_phases_are_isolated_and_the_budget_counts_time_spent(tmp_path):
@@ -160,6 +172,51 @@ def test_guarded_rows_take_any_failure_but_a_signal_stop():
         "tolerance": None,
         "ok": True,
     }
+
+
+def test_the_planner_predicts_the_bench_run_category_by_category(tmp_path):
+    # A tiny run's spans against the planner, on the built-in profile and on a profile that
+    # halves the GEMM rate: the work it predicts follows the profile, the measurement does not.
+    import dataclasses
+
+    from threefold.planner import build_cluster
+    from threefold.planner.cluster import profile_toml
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    # Spans lines average log.interval steps: two of them after the 2 warm-up steps.
+    cache = str(tmp_path / "cache")
+    gpu_checks.train_metrics(gpu_checks.TINY, "cpu", "fp32", 6, cache, str(logs), **{"log.interval": 2})
+    perf = gpu_perf.Performance("cpu", "tiny", gpu_checks.TINY, 6, cache, False)
+    built_in = perf._planner_comparison(str(logs))
+    assert built_in["profile"] == "built-in cpu"
+    rows = built_in["categories"]
+    assert {"step", "span_work_s", "span_optimizer_s"} <= set(rows)
+    assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in rows.values())
+    base = build_cluster({"device": "cpu"})
+    slow = tmp_path / "slow.toml"
+    slow.write_text(profile_toml(dataclasses.replace(base, compute_efficiency=base.compute_efficiency / 2)))
+    perf.profile = str(slow)
+    halved = perf._planner_comparison(str(logs))["categories"]
+    assert halved["span_work_s"]["measured_s"] == rows["span_work_s"]["measured_s"]
+    assert halved["span_work_s"]["predicted_s"] > 1.3 * rows["span_work_s"]["predicted_s"]
+
+
+def test_the_sweeps_attention_timing_runs_and_fits_on_cpu():
+    # The attention problems run on CUDA only; their timing and fit are the same code on CPU.
+    import kernel_sweep
+    import torch
+
+    from threefold.planner import build_cluster
+    from threefold.planner.kernel_fit import AttentionPoint, fit_kernels
+
+    timer, cpu = kernel_sweep._timer(torch.device("cpu")), torch.device("cpu")
+    points = [
+        AttentionPoint(1, 4, seq, 16, kernel_sweep._attention_seconds(timer, cpu, torch.float32, 1, 4, seq, 16))
+        for seq in (64, 128, 256)
+    ]
+    fit = fit_kernels(build_cluster({"device": "h200"}), [], points, [])
+    assert set(fit.knobs) == {"attention_efficiency", "attention_half_seq"} and fit.knobs["attention_efficiency"] > 0
 
 
 def test_failed_cpu_run_restores_threads_and_leaves_its_group(tmp_path, monkeypatch):

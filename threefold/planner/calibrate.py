@@ -257,6 +257,15 @@ def fit(
     return Calibration(fitted, base, names, rows)
 
 
+def compare_run(run: Run, base: Cluster) -> dict[str, tuple[float, float]]:
+    """{"step" or measured key: (measured s, predicted s)}: one run against `base` as it is, no
+    parameter fitted (bench/gpu.py's single-GPU comparison)."""
+    return {
+        key: (measured, _measured_seconds(st, cl, key))
+        for _, key, _, cl, measured, st in _equations([run], base, set())
+    }
+
+
 def leave_one_out(runs: list[Run], base: Cluster, free: list[str] | None = None, explicit=frozenset()) -> Calibration:
     """Each run predicted (with its interval) by a fit on all the others: the rows a calibration
     on this matrix would get on a run it has not seen. The cluster is the fit on all runs, with
