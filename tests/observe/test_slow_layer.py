@@ -198,5 +198,8 @@ def test_an_moe_layer_with_a_hot_expert_is_named_with_the_expert(tmp_path, cache
     hot = found.pop("layer 3")
     assert hot["extra"]["hot_experts"] == [2] and hot["extra"]["expert_load"] > 3, hot
     assert hot["extra"]["kind"] == "moe" and "MoE: expert 2 takes 4.0x" in hot["text"], hot
-    for other in found.values():  # slower, and less so, for an uneven router of its own
-        assert other["value"] < hot["value"] and other["extra"].get("hot_experts"), other
+    # Another layer named is one whose router is uneven of its own: named with its busiest expert,
+    # a lighter load than the forced one. Its time is not compared with layer 3's: CI once read an
+    # uneven layer (load 1.6x) slower than the hot one (4.0x) on the shared 2-core host.
+    for other in found.values():
+        assert other["extra"].get("hot_experts") and other["extra"]["expert_load"] < hot["extra"]["expert_load"], other

@@ -39,3 +39,13 @@ def test_interleaved_chunks_reduce_their_gradients_behind_the_later_chunks():
     two, four = (_comm(slow, Layout(tp=1, pp=4, dp=8, mbs=1, schedule="interleaved", vpp=v), 64) for v in (2, 4))
     assert plain["compute"] == two["compute"] == four["compute"]
     assert plain["dp_comm"] > 1.4 * two["dp_comm"] and two["dp_comm"] > 1.4 * four["dp_comm"]
+
+
+def test_16_bit_gradient_reduction_moves_half_the_bytes():
+    # Exposed in full (no overlap, no latency or call cost): the reduction's time is its bytes.
+    flat = {"overlap": "none", "inter_latency_us": 0, "intra_latency_us": 0, "collective_overhead_us": 0}
+    layout = Layout(tp=1, pp=1, dp=32, mbs=1)
+    fp32, half = (_comm({**flat, "grad_reduce": g}, layout, 64)["dp_comm"] for g in ("fp32", "16bit"))
+    assert half == pytest.approx(fp32 / 2, rel=1e-3) and half > 0  # less a few fixed microseconds
+    with pytest.raises(ConfigError, match="cluster.grad_reduce"):
+        build_cluster({"device": "h100", "grad_reduce": "fp8"})

@@ -255,3 +255,27 @@ def test_plan_states_the_overlap_each_category_assumes(capsys):
     assert code == 0 and "overlap: none modelled" in out and "dp_overlap 50% hidden" in out
     code, _, err = _cli(capsys, *args, "--cluster.overlap", "some")
     assert code != 0 and "cluster.overlap" in err
+
+
+def test_the_runs_gradient_reduction_dtype_reaches_the_plan(capsys):
+    # train.grad_reduce_dtype bf16 is cluster.grad_reduce 16bit unless --cluster.grad_reduce says otherwise.
+    args = [
+        "--model.preset",
+        "llama-7b",
+        "--cluster.device",
+        "h100",
+        "--cluster.nodes",
+        "4",
+        "--cluster.overlap",
+        "none",
+    ]
+    args += ["--train.global_batch", "64", "--json", "--layout", "tp=1,pp=1,dp=32,mbs=1,zero=0"]
+
+    def dp_seconds(*extra: str) -> float:
+        code, out, err = _cli(capsys, *args, *extra)
+        assert code == 0, err
+        return json.loads(out)["layouts"][0]["time_split_s"]["dp_comm"]
+
+    fp32 = dp_seconds()
+    assert dp_seconds("--train.grad_reduce_dtype", "bf16") < 0.6 * fp32
+    assert dp_seconds("--train.grad_reduce_dtype", "bf16", "--cluster.grad_reduce", "fp32") == pytest.approx(fp32)

@@ -136,6 +136,8 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
     for key in ("devices_per_node", "allow_tp_across_nodes"):
         if f"parallel.{key}" in given and key not in named and getattr(cfg.parallel, key):
             cluster_pairs = [*cluster_pairs, (key, getattr(cfg.parallel, key))]
+    if cfg.train.grad_reduce_dtype in ("bf16", "fp16") and "grad_reduce" not in named:
+        cluster_pairs = [*cluster_pairs, ("grad_reduce", "16bit")]  # the run's reduction, unless --cluster says
     cluster = build_cluster(cluster_pairs, cache_dir=cfg.data.cache_dir)
     faults = build_faults(fault_pairs)
     dtype = cfg.train.dtype if cfg.train.dtype != "auto" else ("fp32" if cluster.device == "cpu" else "bf16")

@@ -86,6 +86,12 @@ class Cluster:
         "ZeRO-1/2 parameter all-gather: after_step = in full after the optimizer step (the engine); "
         "forward = each bucket's behind the next forward (Megatron's overlap_param_gather)",
     )
+    grad_reduce: str = knob(
+        "fp32",
+        "Bytes the data-parallel gradient reduction moves: fp32 = fp32 main gradients (train.grad_reduce_dtype auto, "
+        "Megatron's main grads); 16bit = bf16/fp16 (train.grad_reduce_dtype bf16 or fp16; Megatron-LM without "
+        "--accumulate-allreduce-grads-in-fp32)",
+    )
     dp_overlap: float = knob(
         -1.0, "Fixed fraction of DP/ZeRO communication hidden (-1 = by cluster.overlap: modelled, or 0 under none)"
     )
@@ -294,6 +300,7 @@ CHOICES = {
     "overlap": ("modelled", "none"),
     "tp_overlap_scope": ("backward", "all", "none"),
     "param_gather": ("after_step", "forward"),
+    "grad_reduce": ("fp32", "16bit"),
     "attention_scores": ("causal", "square"),
 }
 

@@ -224,7 +224,8 @@ def gradient_sync_terms(
     """One step's gradient synchronisation of a rank holding `dense` and `expert` parameters:
     the dense ones over dp x cp replicas, the experts' over expert_dp. Exposed: what a fixed
     dp_overlap leaves, or (modelled, with the compute `windows` beside it) what outlasts them."""
-    kp, kg = act, 4  # working parameters in the run's dtype; gradients reduced in fp32 (the default)
+    kp = act  # working parameters in the run's dtype
+    kg = 4 if cluster.grad_reduce == "fp32" else 2  # gradients: fp32 main grads (the default) or 16-bit
     link = dp_link(cluster, layout)
     parts: dict[str, Terms] = {}
     held = 0.0  # parameters synchronised: one bucket's share of the time is never hidden
@@ -243,7 +244,7 @@ def gradient_sync_terms(
         return terms
     for kind, part in parts.items():
         for name, coef in _scaled(
-            part, charged(_dp_exposed(kind, part, cluster, min(1.0, BUCKET_PARAMS / held), windows), cluster)
+            part, charged(_dp_exposed(kind, part, cluster, min(1.0, BUCKET_PARAMS * 4 / kg / held), windows), cluster)
         ).items():
             terms[name] = terms.get(name, 0.0) + coef
     return terms

@@ -14,7 +14,9 @@ compute needs) leaves every transfer exposed but a fixed `dp_overlap` / `tp_over
 
 from __future__ import annotations
 
-BUCKET_PARAMS = 25 * (1 << 20) / 4  # parallel.bucket_mb 25 MiB of fp32 gradients: one bucket's parameters
+BUCKET_PARAMS = (
+    25 * (1 << 20) / 4
+)  # parallel.bucket_mb 25 MiB of fp32 gradients: one bucket's parameters (twice that in 16 bits)
 
 ASSUMPTIONS = {
     "tp_comm": {
