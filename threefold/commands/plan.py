@@ -11,6 +11,7 @@ from threefold.errors import ConfigError
 
 USAGE = """threefold plan [--config FILE] --train.global_batch N [--model.KEY V ...] [--cluster.KEY V ...]
                       [--layout SPEC] [--json] [--top N] [--emit-config FILE] [--faults.KEY V ...]
+                      [--topology FILE [--placement-out FILE]]
        threefold plan --calibrate RUN_DIR [RUN_DIR ...] [--validate RUN_DIR ...] [--cluster.KEY V ...]
                       [--fit PARAM,PARAM] [--save-profile FILE] [--json]
   e.g. threefold plan --model.preset llama-70b --cluster.device h100 --cluster.nodes 16 --train.global_batch 1024
@@ -54,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--fit", help="with --calibrate: comma-separated parameters to fit (default: chosen automatically)")
     ap.add_argument("--warmup", type=int, default=None, help="with --calibrate: steps to drop per run (default 1/5)")
     ap.add_argument("--save-profile", metavar="FILE", help="with --calibrate: write the fitted cluster profile")
+    ap.add_argument(
+        "--topology", metavar="FILE", help="place the layout on this topology (planner/topology.py) and price its links"
+    )
+    ap.add_argument(
+        "--placement-out", metavar="FILE", help="with --topology: write the hosts in node-rank order (JSON)"
+    )
     ap.add_argument("--help-cluster", action="store_true", help="list the cluster and faults keys")
     return ap
 
@@ -138,6 +145,15 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
             cluster_pairs = [*cluster_pairs, (key, getattr(cfg.parallel, key))]
     if cfg.train.grad_reduce_dtype in ("bf16", "fp16") and "grad_reduce" not in named:
         cluster_pairs = [*cluster_pairs, ("grad_reduce", "16bit")]  # the run's reduction, unless --cluster says
+    topo = None
+    if args.topology:
+        from threefold.planner.placement_plan import cluster_pairs as topology_pairs
+        from threefold.planner.topology import read_topology
+
+        topo = read_topology(args.topology)
+        cluster_pairs = [*cluster_pairs, *topology_pairs(topo, named)]
+    elif args.placement_out:
+        raise ConfigError("--placement-out", "needs --topology FILE to place the layout on")
     cluster = build_cluster(cluster_pairs, cache_dir=cfg.data.cache_dir)
     faults = build_faults(fault_pairs)
     dtype = cfg.train.dtype if cfg.train.dtype != "auto" else ("fp32" if cluster.device == "cpu" else "bf16")
@@ -173,6 +189,13 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
         pred.step_time_s,
         dtype,
     )
+    placed = None
+    if topo is not None:
+        from threefold.planner.placement_plan import placement_doc, write_placement
+
+        placed = placement_doc(shape, cluster, pred.layout, B, dtype, topo)
+        if args.placement_out:
+            write_placement(args.placement_out, placed)
     emitted = None
     if args.emit_config:
         run_cfg = layout_config(
@@ -196,6 +219,8 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
         doc = report.plan_json(plan, args.top, advice, emitted)
         if note:
             doc["layouts"][0]["rejected"] = note
+        if placed:
+            doc["placement"] = placed
         print(json.dumps(doc, indent=1))
     elif args.layout:
         print(report.header(shape, cluster, B, dtype))
@@ -210,6 +235,12 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
         print(report.plan_text(plan, args.top, advice))
         if emitted:
             print(f"\nwrote {emitted}: threefold train --config {emitted}")
+    if placed and not args.json:
+        from threefold.planner.placement_plan import placement_lines
+
+        print("\n".join(placement_lines(placed)))
+        if args.placement_out:
+            print(f"wrote {args.placement_out}: hosts in node-rank order (torchrun --node-rank k on hosts[k])")
     return 0
 
 

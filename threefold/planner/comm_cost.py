@@ -68,21 +68,29 @@ def _scaled(terms: Terms, k: float) -> Terms:
 
 
 def tp_link(cluster: Cluster, tp: int) -> str:
+    if "tp" in cluster.links:
+        return cluster.links["tp"]
     per_node = cluster.devices_per_node
     return "intra" if (tp <= per_node and per_node % tp == 0) or cluster.nodes == 1 else "inter"
 
 
 def dp_link(cluster: Cluster, layout: Layout) -> str:
+    if "dp" in cluster.links:
+        return cluster.links["dp"]
     return "intra" if layout.tp * layout.dp * layout.cp <= cluster.devices_per_node or cluster.nodes == 1 else "inter"
 
 
 def pp_link(cluster: Cluster) -> str:
+    if "pp" in cluster.links:
+        return cluster.links["pp"]
     return "intra" if cluster.nodes == 1 else "inter"
 
 
 def ep_group_link(cluster: Cluster, t: int, ep: int, cp: int = 1) -> str:
     """The ep ranks are consecutive data-parallel ranks after tp and cp (order tp-cp-ep-dp-pp):
     the group spans tp * cp * ep neighbouring ranks, inside a node while that fits one."""
+    if "ep" in cluster.links:
+        return cluster.links["ep"]
     return "intra" if t * cp * ep <= cluster.devices_per_node or cluster.nodes == 1 else "inter"
 
 

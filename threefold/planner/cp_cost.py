@@ -33,6 +33,8 @@ Terms = dict
 
 def cp_link(cluster, t: int, cp: int) -> str:
     """The link of a cp group of `cp` ranks strided by `t` (tp-cp-... order)."""
+    if "cp" in cluster.links:
+        return cluster.links["cp"]
     return "intra" if t * cp <= cluster.devices_per_node or cluster.nodes == 1 else "inter"
 
 

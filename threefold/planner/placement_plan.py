@@ -1,0 +1,94 @@
+"""`threefold plan --topology FILE`: the cluster's links taken from the topology, and the chosen
+layout placed on it (planner/placement.py), priced with the placement's links next to the plain
+host order, and written out as hosts in node-rank order."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from threefold.atomic import atomic_write
+from threefold.errors import ConfigError
+from threefold.planner.placement import (
+    hostlist_placement,
+    minimum_spine_bytes,
+    place,
+    placed_links,
+    rank_layout,
+    spine_bytes,
+    traffic_per_step,
+)
+from threefold.planner.predict import predict
+from threefold.planner.topology import Topology
+
+
+def cluster_pairs(topo: Topology, named: set[str]) -> list[tuple[str, object]]:
+    """The [cluster] keys the topology sets, unless --cluster.KEY names them: GPUs per node,
+    healthy nodes, NVLink and leaf bandwidth per GPU."""
+    values = {
+        "devices_per_node": topo.gpus_per_node,
+        "nodes": len(topo.healthy),
+        "intra_bw_gbps": topo.bandwidth_gbps["nvlink"],
+        "inter_bw_gbps": topo.bandwidth_gbps["leaf"],
+    }
+    return [(key, value) for key, value in values.items() if key not in named]
+
+
+def placement_doc(shape, cluster, layout, global_batch: int, dtype: str, topo: Topology) -> dict:
+    """The layout placed and priced: hosts, spares, spine bytes (placed, minimum, host order) and
+    the predicted step with each placement's links."""
+    ranks = rank_layout(layout)
+    traffic = traffic_per_step(shape, layout, global_batch, 2 if dtype == "bf16" else 4)
+    placed = place(ranks, topo, traffic)
+
+    def priced(placement) -> float:
+        links, spine = placed_links(ranks, placement, topo)
+        return predict(
+            shape, dataclasses.replace(cluster, links=links, spine_bw_gbps=spine), layout, global_batch, dtype
+        )
+
+    doc = {
+        "block": placed.block,
+        "box": placed.box,
+        "hosts": [n.name for n in placed.hosts],
+        "spares": [n.name for n in placed.spares],
+        "drained": [n.name for n in placed.drained],
+        "links": placed_links(ranks, placed, topo)[0],
+        "spine_bytes_per_step": spine_bytes(ranks, placed, traffic),
+        "minimum_spine_bytes_per_step": minimum_spine_bytes(ranks, topo, traffic),
+        "step_time_s": priced(placed).step_time_s,
+    }
+    try:
+        plain = hostlist_placement(ranks, topo)
+    except ConfigError:
+        return doc | {"host_order": None}
+    return doc | {
+        "host_order": {
+            "spine_bytes_per_step": spine_bytes(ranks, plain, traffic),
+            "step_time_s": priced(plain).step_time_s,
+        }
+    }
+
+
+def placement_lines(doc: dict) -> list[str]:
+    block = " x ".join(f"{d} {n}" for d, n in doc["block"].items() if n > 1) or "one rank"
+    box = " x ".join(f"{d} {n}" for d, n in doc["box"].items()) or "the whole grid"
+    least = doc["minimum_spine_bytes_per_step"]
+    minimum = "no closed-form minimum: ep spans leaves" if least is None else f"minimum {least / 1e9:,.1f} GB"
+    lines = [
+        f"placement: {block} per NVLink domain; {box} blocks per leaf; {len(doc['hosts'])} hosts, "
+        f"{len(doc['spares'])} spares, {len(doc['drained'])} drained",
+        f"  spine bytes per step: {doc['spine_bytes_per_step'] / 1e9:,.1f} GB placed ({minimum})",
+        "  links: " + ", ".join(f"{d} {link}" for d, link in doc["links"].items()),
+    ]
+    plain = doc["host_order"]
+    step = f"  step with the placement's links {doc['step_time_s']:.4g} s"
+    if plain:
+        lines[1] += f", {plain['spine_bytes_per_step'] / 1e9:,.1f} GB in host-list order"
+        step += f"; in host-list order {plain['step_time_s']:.4g} s"
+    return lines + [step]
+
+
+def write_placement(path: str, doc: dict) -> None:
+    """JSON: hosts in node-rank order (torchrun --node-rank k on hosts[k]), spares, drained."""
+    atomic_write(path, json.dumps(doc, indent=1))
