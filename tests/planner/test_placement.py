@@ -156,3 +156,50 @@ def test_plan_places_the_layout_and_writes_its_hosts(tmp_path, capsys):
     assert code == 0 and "placement: tp 8 per NVLink domain; dp 4 x pp 2 blocks per leaf; 32 hosts, 7 spares" in out
     code, _, err = plan_cli(capsys, *args[:-2], "--placement-out", str(tmp_path / "x.json"))
     assert code != 0 and "--placement-out" in err and "--topology" in err
+    # A search on 32 nodes over 4 leaves: each of the 5 fastest layouts priced with its own
+    # placement, and the fastest placed is the one placed.
+    lines = lines[:5] + [f'[[node]]\nname = "gpu{i:03d}"\nleaf = "leaf{i % 4}"' for i in range(32)]
+    (tmp_path / "topo32.toml").write_text("\n".join(lines) + "\n")
+    search = args[:6] + ["--topology", str(tmp_path / "topo32.toml"), "--top", "5", "--json"]
+    code, out, err = plan_cli(capsys, *search)
+    assert code == 0, err
+    doc = json.loads(out)["placement"]
+    rows = doc["reranked"]
+    assert len(rows) == 5 and doc["layout"] == min(rows, key=lambda r: r["placed_step_time_s"])["layout"]
+    assert doc["step_time_s"] == min(r["placed_step_time_s"] for r in rows)
+
+
+def test_the_launch_scripts_start_the_hosts_in_placement_order(tmp_path, capsys):
+    import shlex
+
+    from planner_helpers import plan_cli
+
+    lines = ["[topology]", "gpus_per_node = 8", "nvlink_gbps = 370", "leaf_gbps = 48", "spine_gbps = 24"]
+    lines += [f'[[node]]\nname = "gpu{i:03d}"\nleaf = "leaf{i % 3}"' for i in range(12)]
+    (tmp_path / "topo.toml").write_text("\n".join(lines) + "\n")
+    args = ["--model.preset", "llama-7b", "--cluster.device", "h100", "--train.global_batch", "64"]
+    args += ["--layout", "tp=8,pp=2,dp=4,mbs=1", "--topology", str(tmp_path / "topo.toml")]
+    args += ["--placement-out", str(tmp_path / "hosts.json"), "--emit-config", str(tmp_path / "run.toml")]
+    code, _, err = plan_cli(capsys, *args, "--launch-out", str(tmp_path / "launch"), "--launch-image", "reg/tf:1")
+    assert code == 0, err
+    hosts = json.loads((tmp_path / "hosts.json").read_text())["hosts"]
+    assert len(hosts) == 8 and hosts != sorted(hosts)  # the placement's order, not the names'
+    assert (tmp_path / "launch" / "hostfile").read_text().split() == hosts
+    # Slurm: task k on line k of SLURM_HOSTFILE, torchrun's node rank its task id, node 0 the master.
+    script = (tmp_path / "launch" / "launch.sbatch").read_text().splitlines()
+    assert f"#SBATCH --nodelist={','.join(hosts)}" in script and "#SBATCH --nodes=8" in script
+    assert f"export SLURM_HOSTFILE={tmp_path / 'launch' / 'hostfile'}" in script
+    srun = shlex.split(next(line for line in script if line.startswith("srun ")))
+    assert srun[:4] == ["srun", "--ntasks=8", "--distribution=arbitrary", "bash"] and srun[4] == "-c"
+    agent = shlex.split(srun[5])
+    assert "--node-rank=$SLURM_PROCID" in agent and f"--master-addr={hosts[0]}" in agent
+    assert agent[-2:] == ["--config", str(tmp_path / "run.toml")] and "--nnodes=8" in agent
+    # Kubernetes: job node-k pinned to hosts[k] with node rank k.
+    manifest = json.loads((tmp_path / "launch" / "jobset.json").read_text())
+    jobs = manifest["spec"]["replicatedJobs"]
+    pods = [job["template"]["spec"]["template"]["spec"] for job in jobs]
+    assert [pod["nodeSelector"]["kubernetes.io/hostname"] for pod in pods] == hosts
+    ranks = [next(a for a in pod["containers"][0]["command"] if a.startswith("--node-rank=")) for pod in pods]
+    assert ranks == [f"--node-rank={k}" for k in range(8)] and pods[0]["containers"][0]["image"] == "reg/tf:1"
+    code, _, err = plan_cli(capsys, *args[:-2], "--launch-out", str(tmp_path / "x"))
+    assert code != 0 and "--emit-config" in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tomllib
 from pathlib import Path
@@ -60,6 +61,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--placement-out", metavar="FILE", help="with --topology: write the hosts in node-rank order (JSON)"
+    )
+    ap.add_argument(
+        "--launch-out",
+        metavar="DIR",
+        help="with --topology and --emit-config: write hostfile, launch.sbatch (and jobset.json) in placement order",
+    )
+    ap.add_argument("--launch-image", metavar="IMAGE", help="with --launch-out: the container image of jobset.json")
+    ap.add_argument(
+        "--spares",
+        metavar="auto|N",
+        help="keep hot spare nodes: auto weighs 0 to 2%% of the nodes by throughput x goodput (planner/spares.py)",
     )
     ap.add_argument("--help-cluster", action="store_true", help="list the cluster and faults keys")
     return ap
@@ -152,8 +164,11 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
 
         topo = read_topology(args.topology)
         cluster_pairs = [*cluster_pairs, *topology_pairs(topo, named)]
-    elif args.placement_out:
-        raise ConfigError("--placement-out", "needs --topology FILE to place the layout on")
+    for flag, value in (("--placement-out", args.placement_out), ("--launch-out", args.launch_out)):
+        if value and not args.topology:
+            raise ConfigError(flag, "needs --topology FILE to place the layout on")
+    if args.launch_out and not args.emit_config:
+        raise ConfigError("--launch-out", "needs --emit-config FILE: the launch scripts train that config")
     cluster = build_cluster(cluster_pairs, cache_dir=cfg.data.cache_dir)
     faults = build_faults(fault_pairs)
     dtype = cfg.train.dtype if cfg.train.dtype != "auto" else ("fp32" if cluster.device == "cpu" else "bf16")
@@ -163,6 +178,29 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
     if pins.get("dp") == 0:
         pins.pop("dp")
 
+    spare_lines, restart = [], None
+    if args.spares is not None:
+        if args.layout:
+            raise ConfigError(
+                "--spares", "chooses the nodes the layout runs on; drop --layout", "--spares auto with a search"
+            )
+        if args.spares != "auto" and not (args.spares.isdigit() and int(args.spares) < cluster.nodes):
+            raise ConfigError("--spares", f"{args.spares!r} is not auto or a count below {cluster.nodes} nodes")
+        from threefold.planner.faults import recovery_s
+        from threefold.planner.spares import best_option, candidates, spare_options
+
+        options = spare_options(shape, cluster, B, dtype, faults, candidates(cluster.nodes, args.spares), pins)
+        chosen = best_option(options)
+        if chosen is None:
+            raise ConfigError("--spares", f"no layout runs on {cluster.nodes} nodes less any spare count weighed")
+        spare_lines = [f"spares: {chosen.text()}"]
+        spare_lines += [f"  instead: {o.text()}" for o in options if o is not chosen and o.prediction]
+        if none := [o.spares for o in options if not o.prediction]:
+            spare_lines.append(
+                f"  no layout of the model and batch on the nodes {len(none)} other counts leave: {none}"
+            )
+        cluster = dataclasses.replace(cluster, nodes=chosen.nodes)
+        restart = recovery_s(faults, chosen.spares, chosen.nodes, cluster.devices_per_node)
     if args.layout:
         layout = parse_layout(args.layout, cluster.world)
         why = structural_reason(
@@ -181,6 +219,19 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
         if not plan.ranked:
             raise ConfigError("plan", _nothing_fits(plan))
         pred, note = plan.best, None
+    placed = None
+    if topo is not None:
+        from threefold.planner.placement_plan import placement_doc, rerank, write_placement
+
+        reranked = []
+        if not args.layout:  # the layout the placement makes fastest, of those the table shows
+            pred, reranked = rerank(plan.ranked[: max(args.top, 1)], shape, cluster, B, dtype, topo)
+        placed = placement_doc(shape, cluster, pred.layout, B, dtype, topo)
+        placed["layout"] = pred.layout.spec()
+        if reranked:
+            placed["reranked"] = reranked
+        if args.placement_out:
+            write_placement(args.placement_out, placed)
     advice = advise(
         faults,
         pred.devices_used,
@@ -188,14 +239,8 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
         shape.total_params,
         pred.step_time_s,
         dtype,
+        restart,
     )
-    placed = None
-    if topo is not None:
-        from threefold.planner.placement_plan import placement_doc, write_placement
-
-        placed = placement_doc(shape, cluster, pred.layout, B, dtype, topo)
-        if args.placement_out:
-            write_placement(args.placement_out, placed)
     emitted = None
     if args.emit_config:
         run_cfg = layout_config(
@@ -221,6 +266,8 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
             doc["layouts"][0]["rejected"] = note
         if placed:
             doc["placement"] = placed
+        if spare_lines:
+            doc["spares"] = spare_lines
         print(json.dumps(doc, indent=1))
     elif args.layout:
         print(report.header(shape, cluster, B, dtype))
@@ -235,12 +282,22 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
         print(report.plan_text(plan, args.top, advice))
         if emitted:
             print(f"\nwrote {emitted}: threefold train --config {emitted}")
+    if spare_lines and not args.json:
+        print("\n".join(spare_lines))
     if placed and not args.json:
         from threefold.planner.placement_plan import placement_lines
 
         print("\n".join(placement_lines(placed)))
         if args.placement_out:
             print(f"wrote {args.placement_out}: hosts in node-rank order (torchrun --node-rank k on hosts[k])")
+    if placed and args.launch_out:
+        from threefold.planner.launch_scripts import write_launch
+
+        paths = write_launch(
+            args.launch_out, placed["hosts"], cluster.devices_per_node, emitted, args.launch_image or ""
+        )
+        if not args.json:
+            print("wrote " + ", ".join(paths) + ("" if args.launch_image else " (jobset.json: give --launch-image)"))
     return 0
 
 

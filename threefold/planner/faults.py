@@ -34,8 +34,16 @@ class Faults:
     checkpoint_s: float = knob(
         0.0, "Seconds one checkpoint save stalls training (0 = estimate from the state size and storage_bw_gbps)"
     )
-    restart_s: float = knob(600.0, "Seconds from a failure to training again: detect, reschedule, reload")
+    restart_s: float = knob(
+        600.0, "Seconds from a failure to training again with a node to run on: detect, restart, reload"
+    )
     storage_bw_gbps: float = knob(2.0, "Checkpoint write bandwidth per node in GB/s, for the save-time estimate")
+    reschedule_s: float = knob(
+        1800.0,
+        "Seconds a failure costs beyond restart_s when no spare node can take the failed one's place: "
+        "the scheduler drains it and allocates a replacement (plan --spares; a prior, set it from your cluster)",
+    )
+    node_repair_h: float = knob(24.0, "Hours a failed node is out before it serves again (plan --spares; a prior)")
 
 
 FIELDS = {name: f for name, f in Faults.__dataclass_fields__.items()}
@@ -52,7 +60,7 @@ def build_faults(overrides: list[tuple[str, str]]) -> Faults:
             raise ConfigError(f"faults.{key}", f"{raw!r} is not a number") from None
     if f.device_mtbf_h <= 0:
         raise ConfigError("faults.device_mtbf_h", f"must be > 0, got {f.device_mtbf_h}")
-    for key in ("checkpoint_s", "restart_s"):
+    for key in ("checkpoint_s", "restart_s", "reschedule_s", "node_repair_h"):
         if getattr(f, key) < 0:
             raise ConfigError(f"faults.{key}", f"must be >= 0, got {getattr(f, key)}")
     if f.storage_bw_gbps <= 0:
@@ -83,6 +91,23 @@ def goodput(interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: fl
     return interval_s / (m * math.exp(restart_s / m) * math.expm1(exponent))
 
 
+def no_spare_probability(spares: int, nodes: int, node_mtbf_h: float, repair_h: float) -> float:
+    """P(every spare is already standing in when a node fails). Nodes out for repair at a time
+    are Poisson with mean nodes x repair_h / node_mtbf_h (failures at rate nodes / MTBF, each out
+    for repair_h); a failure finds a spare unless `spares` or more are out."""
+    mean = nodes * repair_h / node_mtbf_h
+    return max(0.0, 1.0 - sum(math.exp(-mean) * mean**i / math.factorial(i) for i in range(spares)))
+
+
+def recovery_s(faults: Faults, spares: int, nodes: int, gpus_per_node: int) -> float:
+    """Expected seconds from a failure to training again with `spares` hot spares: the restart,
+    and the reschedule when no spare is free."""
+    node_mtbf_h = faults.device_mtbf_h / gpus_per_node
+    return (
+        faults.restart_s + no_spare_probability(spares, nodes, node_mtbf_h, faults.node_repair_h) * faults.reschedule_s
+    )
+
+
 @dataclass
 class FaultAdvice:
     devices: int
@@ -109,9 +134,17 @@ class FaultAdvice:
 
 
 def advise(
-    faults: Faults, devices: int, nodes: int, total_params: float, step_time_s: float, dtype: str = "bf16"
+    faults: Faults,
+    devices: int,
+    nodes: int,
+    total_params: float,
+    step_time_s: float,
+    dtype: str = "bf16",
+    restart_s: float | None = None,
 ) -> FaultAdvice:
-    """Checkpoint interval and goodput for a job of `devices` devices on `nodes` nodes."""
+    """Checkpoint interval and goodput for a job of `devices` devices on `nodes` nodes (a failure
+    costing `restart_s`, faults.restart_s unless given: recovery_s with spares)."""
+    restart = faults.restart_s if restart_s is None else restart_s
     mtbf = faults.device_mtbf_h * 3600 / devices
     # A checkpoint holds parameters and optimizer state (master weights + moments), not gradients.
     per_param = 2 + 12 if dtype == "bf16" else 4 + 8
@@ -124,10 +157,10 @@ def advise(
         system_mtbf_s=mtbf,
         checkpoint_s=save,
         checkpoint_bytes=nbytes,
-        restart_s=faults.restart_s,
+        restart_s=restart,
         interval_s=tau,
         interval_steps=max(1, round(tau / step_time_s)) if step_time_s > 0 else 1,
         daly_interval_s=daly,
-        goodput=goodput(tau, save, faults.restart_s, mtbf),
-        daly_goodput=goodput(daly, save, faults.restart_s, mtbf),
+        goodput=goodput(tau, save, restart, mtbf),
+        daly_goodput=goodput(daly, save, restart, mtbf),
     )

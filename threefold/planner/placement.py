@@ -165,12 +165,16 @@ def _units(topo: Topology, nodes_per_block: int) -> dict[str, list[list[Node]]]:
 
 
 def minimum_spine_bytes(layout: RankLayout, topo: Topology, traffic: dict[str, float]) -> float | None:
-    """The analytic minimum: the least closed-form spine bytes over every box the roomiest leaf
-    holds (None where a dimension's groups run along two outer axes: no closed form)."""
+    """The analytic minimum: the least closed-form spine bytes over the boxes that fill the
+    roomiest leaf exactly (or hold the whole grid). None where no box does (a leaf then holds
+    several boxes, which the closed form does not count) or where a dimension's groups run
+    along two outer axes."""
     block, grid = block_and_grid(layout, topo)
     room = max(len(u) for u in _units(topo, math.prod(block.values()) // topo.gpus_per_node).values())
+    total = math.prod(n for _, n in grid)
+    filling = [b for b in boxes(grid, room) if math.prod(b.values()) == min(room, total)]
     try:
-        return min(box_spine_bytes(layout, block, grid, box, traffic) for box in boxes(grid, room))
+        return min((box_spine_bytes(layout, block, grid, box, traffic) for box in filling), default=None)
     except ValueError:
         return None
 

@@ -34,6 +34,30 @@ def cluster_pairs(topo: Topology, named: set[str]) -> list[tuple[str, object]]:
     return [(key, value) for key, value in values.items() if key not in named]
 
 
+def rerank(candidates, shape, cluster, global_batch: int, dtype: str, topo: Topology):
+    """(the candidate fastest once placed, [{layout, step_time_s, placed_step_time_s}] for each):
+    the search's ranking priced with each layout's own placement on the topology."""
+    rows, best = [], None
+    for pred in candidates:
+        ranks = rank_layout(pred.layout)
+        traffic = traffic_per_step(shape, pred.layout, global_batch, 2 if dtype == "bf16" else 4)
+        try:
+            placement = place(ranks, topo, traffic)
+        except ConfigError as err:
+            rows.append({"layout": pred.layout.spec(), "step_time_s": pred.step_time_s, "unplaced": str(err)})
+            continue
+        links, spine = placed_links(ranks, placement, topo)
+        priced = predict(
+            shape, dataclasses.replace(cluster, links=links, spine_bw_gbps=spine), pred.layout, global_batch, dtype
+        )
+        rows.append(
+            {"layout": pred.layout.spec(), "step_time_s": pred.step_time_s, "placed_step_time_s": priced.step_time_s}
+        )
+        if best is None or priced.step_time_s < best[0]:
+            best = (priced.step_time_s, pred)
+    return (best[1] if best else candidates[0]), rows
+
+
 def placement_doc(shape, cluster, layout, global_batch: int, dtype: str, topo: Topology) -> dict:
     """The layout placed and priced: hosts, spares, spine bytes (placed, minimum, host order) and
     the predicted step with each placement's links."""
@@ -74,13 +98,21 @@ def placement_lines(doc: dict) -> list[str]:
     block = " x ".join(f"{d} {n}" for d, n in doc["block"].items() if n > 1) or "one rank"
     box = " x ".join(f"{d} {n}" for d, n in doc["box"].items()) or "the whole grid"
     least = doc["minimum_spine_bytes_per_step"]
-    minimum = "no closed-form minimum: ep spans leaves" if least is None else f"minimum {least / 1e9:,.1f} GB"
+    minimum = "no closed-form minimum for this grid" if least is None else f"minimum {least / 1e9:,.1f} GB"
     lines = [
         f"placement: {block} per NVLink domain; {box} blocks per leaf; {len(doc['hosts'])} hosts, "
         f"{len(doc['spares'])} spares, {len(doc['drained'])} drained",
         f"  spine bytes per step: {doc['spine_bytes_per_step'] / 1e9:,.1f} GB placed ({minimum})",
         "  links: " + ", ".join(f"{d} {link}" for d, link in doc["links"].items()),
     ]
+    if doc.get("reranked"):
+        first = doc["reranked"][0]
+        placed_first = first.get("placed_step_time_s")
+        first_text = f"{placed_first:.4g} s placed" if placed_first else f"not placed: {first.get('unplaced')}"
+        lines.append(
+            f"  re-ranked the search's {len(doc['reranked'])} fastest by their placements' links: {doc['layout']} "
+            f"is fastest placed; the search's first, {first['layout']}, {first_text}"
+        )
     plain = doc["host_order"]
     step = f"  step with the placement's links {doc['step_time_s']:.4g} s"
     if plain:
