@@ -43,7 +43,8 @@ class Cluster:
     inter_latency_us: float = knob(0.0, "Latency of one ring step between nodes, microseconds")
     spine_bw_gbps: float = knob(
         0.0,
-        "Per-device bandwidth of a group whose links cross leaf switches, GB/s (0 = inter_bw_gbps; --topology sets it)",
+        "Per-device bandwidth of a group whose links cross leaf switches, GB/s "
+        "(0 = inter_bw_gbps; a --topology placement sets it from its leaves' uplink share)",
     )
     spine_latency_us: float = knob(-1.0, "Latency of one ring step across leaf switches (-1 = inter_latency_us)")
     collective_overhead_us: float = knob(
