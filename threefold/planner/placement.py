@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from threefold.distributed.grid import RankLayout
 from threefold.errors import ConfigError
-from threefold.planner.topology import LEVELS, Node, Topology
+from threefold.planner.topology import Node, Topology
 
 # dim -> (grid tokens its groups vary in, traffic kind)
 GROUPS = {"dp": (("ep", "dp"), "ring"), "edp": (("dp",), "ring"), "cp": (("cp",), "ring")}
@@ -253,21 +253,6 @@ def spine_bytes(layout: RankLayout, placement: Placement, traffic: dict[str, flo
             links = zip(leaves, leaves[1:] + leaves[:1]) if kind == "ring" else zip(leaves, leaves[1:])
             total += bytes_per_member * sum(a != b for a, b in links)
     return total
-
-
-def worst_levels(layout: RankLayout, placement: Placement, dims) -> dict[str, str]:
-    """Per dimension, the slowest link level any of its groups uses (topology.LEVELS)."""
-    out = {}
-    for dim in dims:
-        varying = GROUPS[dim][0] if dim in GROUPS else (dim,)
-        worst = 0
-        for group in layout.groups(varying):
-            nodes = [placement.node_of(r) for r in group]
-            for a, b in zip(nodes, nodes[1:]):
-                if a.domain != b.domain:
-                    worst = max(worst, 1 if a.leaf == b.leaf else 2)
-        out[dim] = LEVELS[worst]
-    return out
 
 
 def traffic_per_step(shape, layout, global_batch: int, act_bytes: int = 2, grad_bytes: int = 4) -> dict[str, float]:

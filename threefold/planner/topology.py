@@ -55,12 +55,6 @@ class Topology:
     bandwidth_gbps: dict[str, float] = field(default_factory=dict)
     """GB/s per GPU at each of LEVELS."""
 
-    def level(self, a: Node, b: Node) -> str:
-        """The slowest link level between two nodes' GPUs."""
-        if a.domain == b.domain:
-            return "nvlink"
-        return "leaf" if a.leaf == b.leaf else "spine"
-
     @property
     def healthy(self) -> list[Node]:
         return [n for n in self.nodes if n.healthy]
