@@ -251,13 +251,18 @@ class SlowLayers:
         self.last: list[Finding] = []
         """The newest traced step's findings: they stand on the report steps in between, which
         measure no layer (a layer is cleared when a traced step no longer names it)."""
+        self.first_step: int | None = None
+        """The attempt's first step: its layers pay first-call costs (lazy initialisation, the
+        allocator's growth, compilation) in the order they run, so its table names nothing."""
 
     def on_step(self, step: int, record: dict) -> list[Finding]:
+        if self.first_step is None:
+            self.first_step = step
         return []
 
     def on_report(self, view) -> list[Finding]:
         table = getattr(view, "layers", None)
-        if not table:
+        if not table or view.step == self.first_step:
             return list(self.last)
         self.last = self._named(view, table)
         named = {f.layer for f in self.last}

@@ -36,6 +36,10 @@ def crash_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
 
 
+def _to_stderr(*args, **kwargs) -> None:
+    print(*args, **kwargs, file=sys.stderr)
+
+
 def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
     """Entry point of every worker; returns the last step's metrics (rank 0's are reported), or
     with `measure_memory` every rank's memory rows (on rank 0) for `threefold memory`."""
@@ -66,6 +70,8 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
             cfg,
             grid,
             device,
+            # `threefold memory` prints its report on stdout: the run's own lines go to stderr.
+            log=_to_stderr if measure_memory else print,
             probe=probe,
             restarted=env.restart_count > 0,
             stop=stop,
