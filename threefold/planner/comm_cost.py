@@ -240,7 +240,7 @@ def gradient_sync_terms(
     for numel, replicas in ((dense, layout.dp * layout.cp), (expert, expert_dp(layout))):
         if replicas > 1 and numel:
             held += numel
-            for kind, (nbytes, steps, calls) in _gradient_sync(
+            for kind, (nbytes, steps, calls) in gradient_sync(
                 numel, replicas, layout.zero, microbatches, link, kp, kg
             ).items():
                 collective(parts.setdefault(kind, {}), link, nbytes, steps, calls)
@@ -302,7 +302,7 @@ def _dp_exposed(kind: str, part: Terms, cluster: Cluster, bucket_share: float, w
     return exposed_share(total, w.step, total / max(1, w.blocks))
 
 
-def _gradient_sync(
+def gradient_sync(
     numel: float, n: int, zero: int, m: int, link: str, kp: int, kg: int
 ) -> dict[str, tuple[float, float, float]]:
     """{kind: (bytes, latency steps, collective calls)} one rank pays to synchronise `numel`

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from threefold.distributed.grid import RankLayout
 from threefold.errors import ConfigError
+from threefold.planner.comm_cost import gradient_sync
 from threefold.planner.topology import Node, Topology
 
 # dim -> (grid tokens its groups vary in, traffic kind)
@@ -250,9 +251,13 @@ def spine_bytes(layout: RankLayout, placement: Placement, traffic: dict[str, flo
             if kind == "a2a":
                 total += sum(bytes_per_member * sum(x != a for x in leaves) / (n - 1) for a in leaves)
                 continue
-            links = zip(leaves, leaves[1:] + leaves[:1]) if kind == "ring" else zip(leaves, leaves[1:])
-            total += bytes_per_member * sum(a != b for a, b in links)
+            total += bytes_per_member * sum(a != b for a, b in _links(leaves, kind))
     return total
+
+
+def _links(members: list, kind: str):
+    """A group's links in member order: a ring closes back to its first member, a chain does not."""
+    return zip(members, members[1:] + members[:1]) if kind != "chain" else zip(members, members[1:])
 
 
 def traffic_per_step(shape, layout, global_batch: int, act_bytes: int = 2, grad_bytes: int = 4) -> dict[str, float]:
@@ -265,14 +270,10 @@ def traffic_per_step(shape, layout, global_batch: int, act_bytes: int = 2, grad_
     dense, expert = shape.state_numel(shape.layers / layout.pp, shape.embed_params / layout.pp, layout.tp, layout.ep)
 
     def ring(numel: float, n: int) -> float:
+        """What one member sends in the gradient sync of `numel` over `n` (comm_cost's own count)."""
         if n < 2:
             return 0.0
-        share = (n - 1) / n * numel
-        return (
-            2 * share * grad_bytes
-            if layout.zero == 0
-            else share * (grad_bytes + act_bytes * (1 + 2 * m * (layout.zero == 3)))
-        )
+        return sum(b for b, _, _ in gradient_sync(numel, n, layout.zero, m, "inter", act_bytes, grad_bytes).values())
 
     tokens = layout.mbs * shape.seq_len // layout.cp
     activation = tokens * shape.hidden * act_bytes // (layout.tp if layout.sp else 1)
@@ -311,8 +312,7 @@ def placed_links(layout: RankLayout, placement: Placement, topo: Topology) -> tu
         worst, crossing = 0, {}
         for group in layout.groups(varying):
             nodes = [placement.node_of(r) for r in group]
-            pairs = zip(nodes, nodes[1:] + nodes[:1]) if kind != "chain" else zip(nodes, nodes[1:])
-            for a, b in pairs:
+            for a, b in _links(nodes, kind):
                 if a.domain == b.domain:
                     continue
                 worst = max(worst, 1 if a.leaf == b.leaf else 2)

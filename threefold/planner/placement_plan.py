@@ -34,64 +34,58 @@ def cluster_pairs(topo: Topology, named: set[str]) -> list[tuple[str, object]]:
     return [(key, value) for key, value in values.items() if key not in named]
 
 
+def placed(shape, cluster, layout, global_batch: int, dtype: str, topo: Topology):
+    """(the layout's placement, its ranks, traffic, and the prediction with the placement's links)."""
+    ranks = rank_layout(layout)
+    traffic = traffic_per_step(shape, layout, global_batch, 2 if dtype == "bf16" else 4)
+    placement = place(ranks, topo, traffic)
+    return placement, ranks, traffic, priced(shape, cluster, layout, global_batch, dtype, topo, placement)
+
+
+def priced(shape, cluster, layout, global_batch: int, dtype: str, topo: Topology, placement):
+    """The prediction of `layout` with the links `placement` gives it."""
+    links, spine = placed_links(rank_layout(layout), placement, topo)
+    return predict(shape, dataclasses.replace(cluster, links=links, spine_bw_gbps=spine), layout, global_batch, dtype)
+
+
 def rerank(candidates, shape, cluster, global_batch: int, dtype: str, topo: Topology):
     """(the candidate fastest once placed, [{layout, step_time_s, placed_step_time_s}] for each):
     the search's ranking priced with each layout's own placement on the topology."""
     rows, best = [], None
     for pred in candidates:
-        ranks = rank_layout(pred.layout)
-        traffic = traffic_per_step(shape, pred.layout, global_batch, 2 if dtype == "bf16" else 4)
+        row = {"layout": pred.layout.spec(), "step_time_s": pred.step_time_s}
         try:
-            placement = place(ranks, topo, traffic)
+            step = placed(shape, cluster, pred.layout, global_batch, dtype, topo)[3].step_time_s
         except ConfigError as err:
-            rows.append({"layout": pred.layout.spec(), "step_time_s": pred.step_time_s, "unplaced": str(err)})
+            rows.append(row | {"unplaced": str(err)})
             continue
-        links, spine = placed_links(ranks, placement, topo)
-        priced = predict(
-            shape, dataclasses.replace(cluster, links=links, spine_bw_gbps=spine), pred.layout, global_batch, dtype
-        )
-        rows.append(
-            {"layout": pred.layout.spec(), "step_time_s": pred.step_time_s, "placed_step_time_s": priced.step_time_s}
-        )
-        if best is None or priced.step_time_s < best[0]:
-            best = (priced.step_time_s, pred)
+        rows.append(row | {"placed_step_time_s": step})
+        if best is None or step < best[0]:
+            best = (step, pred)
     return (best[1] if best else candidates[0]), rows
 
 
 def placement_doc(shape, cluster, layout, global_batch: int, dtype: str, topo: Topology) -> dict:
     """The layout placed and priced: hosts, spares, spine bytes (placed, minimum, host order) and
     the predicted step with each placement's links."""
-    ranks = rank_layout(layout)
-    traffic = traffic_per_step(shape, layout, global_batch, 2 if dtype == "bf16" else 4)
-    placed = place(ranks, topo, traffic)
-
-    def priced(placement) -> float:
-        links, spine = placed_links(ranks, placement, topo)
-        return predict(
-            shape, dataclasses.replace(cluster, links=links, spine_bw_gbps=spine), layout, global_batch, dtype
-        )
-
+    placement, ranks, traffic, pred = placed(shape, cluster, layout, global_batch, dtype, topo)
     doc = {
-        "block": placed.block,
-        "box": placed.box,
-        "hosts": [n.name for n in placed.hosts],
-        "spares": [n.name for n in placed.spares],
-        "drained": [n.name for n in placed.drained],
-        "links": placed_links(ranks, placed, topo)[0],
-        "spine_bytes_per_step": spine_bytes(ranks, placed, traffic),
+        "block": placement.block,
+        "box": placement.box,
+        "hosts": [n.name for n in placement.hosts],
+        "spares": [n.name for n in placement.spares],
+        "drained": [n.name for n in placement.drained],
+        "links": placed_links(ranks, placement, topo)[0],
+        "spine_bytes_per_step": spine_bytes(ranks, placement, traffic),
         "minimum_spine_bytes_per_step": minimum_spine_bytes(ranks, topo, traffic),
-        "step_time_s": priced(placed).step_time_s,
+        "step_time_s": pred.step_time_s,
     }
     try:
         plain = hostlist_placement(ranks, topo)
     except ConfigError:
         return doc | {"host_order": None}
-    return doc | {
-        "host_order": {
-            "spine_bytes_per_step": spine_bytes(ranks, plain, traffic),
-            "step_time_s": priced(plain).step_time_s,
-        }
-    }
+    step = priced(shape, cluster, layout, global_batch, dtype, topo, plain).step_time_s
+    return doc | {"host_order": {"spine_bytes_per_step": spine_bytes(ranks, plain, traffic), "step_time_s": step}}
 
 
 def placement_lines(doc: dict) -> list[str]:
