@@ -92,7 +92,7 @@ def test_the_planner_prices_the_links_a_placement_gives():
     scattered = striped(fat_tree(2048, 32), 64)
     plain = hostlist_placement(ranks, scattered)
     assert placed_links(ranks, plain, scattered) == ({"tp": "intra", "dp": "spine", "pp": "inter"}, 24.0)
-    assert step(scattered, place(ranks, scattered, traffic)) < 0.9 * step(scattered, plain)
+    assert step(scattered, place(ranks, scattered, traffic)) < 0.95 * step(scattered, plain)
     # Host names in leaf order: the host list is already the placement, and so is the price.
     ordered = fat_tree(2048, 32)
     assert step(ordered, place(ranks, ordered, traffic)) == step(ordered, hostlist_placement(ranks, ordered))
