@@ -6,9 +6,11 @@ import json
 import os
 import time
 
+import pytest
+
 from threefold.config import build_config
 from threefold.errors import ConfigError
-from threefold.training.seating import Node, Round, decide, labels, nodes_needed, restart_line
+from threefold.training.seating import Node, Round, decide, host_order, labels, nodes_needed, restart_line
 
 from harness import CALM_LR, PARITY, Agents, run_training, within
 
@@ -83,13 +85,27 @@ def test_the_layout_takes_whole_nodes_and_dp_0_what_the_batch_allows():
     assert nodes_needed(cfg, nodes=3, per_node=2) == 2  # one spare
     auto = build_config(None, [("parallel.dp", "0"), ("train.global_batch", "8"), ("train.micro_batch", "2")])
     assert nodes_needed(auto, nodes=3, per_node=1) == 2  # dp 3 does not divide 4 micro-batches
-    odd = build_config(None, [("parallel.dp", "3")])
-    try:
-        nodes_needed(odd, nodes=2, per_node=2)
-    except ConfigError as err:
-        assert "parallel.dp" in str(err) and "whole spares" in str(err)
-    else:
-        raise AssertionError("a layout leaving part of a node idle was seated")
+    with pytest.raises(ConfigError, match="parallel.dp: .* leave part of a node of 2 processes idle"):
+        nodes_needed(build_config(None, [("parallel.dp", "3")]), nodes=2, per_node=2)
+    # A lost node with no spare left and an explicit dp: one line saying how to wait or shrink.
+    with pytest.raises(
+        ConfigError, match="need 2 nodes of 2 processes, but the rendezvous brought 1 .* --nnodes 2:MAX"
+    ):
+        nodes_needed(cfg, nodes=1, per_node=2)
+
+
+def test_a_new_job_seats_its_nodes_in_the_placements_order(tmp_path):
+    """parallel.hostfile: the first round follows the placement's host order (hosts, then spares),
+    whatever order the rendezvous numbered the nodes in; a host it does not name comes last."""
+    doc = tmp_path / "hosts.json"
+    doc.write_text(json.dumps({"hosts": ["h2", "h0"], "spares": ["h1"]}))
+    order = host_order(str(doc))
+    rnd = decide(None, [Node("h0"), Node("h9"), Node("h1"), Node("h2")], needed=2, dp=2, order=order)
+    assert (rnd.seats, rnd.spares) == (("h2", "h0"), ("h1", "h9"))
+    (tmp_path / "hostfile").write_text("h1\n# a comment\nh0\n")
+    assert host_order(str(tmp_path / "hostfile")) == ["h1", "h0"]
+    with pytest.raises(ConfigError, match="parallel.hostfile: cannot read"):
+        host_order(str(tmp_path / "missing"))
 
 
 def _seat_and_leave(log_dir: str) -> dict:

@@ -93,6 +93,13 @@ def nodes_needed(cfg: Config, nodes: int, per_node: int) -> int:
     p = cfg.parallel
     if p.dp > 0:
         ranks = p.dp * p.tp * p.pp * p.cp
+        if ranks > nodes * per_node and ranks % per_node == 0:
+            raise ConfigError(
+                "parallel.dp",
+                f"the layout's {ranks} ranks need {ranks // per_node} nodes of {per_node} processes, but the "
+                f"rendezvous brought {nodes} (a node lost with no spare left?)",
+                f"torchrun --nnodes {ranks // per_node}:MAX waits for a replacement; parallel.dp 0 shrinks instead",
+            )
         if ranks >= nodes * per_node:
             return nodes
         if ranks % per_node:
@@ -110,6 +117,25 @@ def nodes_needed(cfg: Config, nodes: int, per_node: int) -> int:
             continue
         return count
     return nodes  # no count fits: validate says why at the full size
+
+
+def host_order(path: str) -> list[str]:
+    """The hosts of parallel.hostfile in seating order: one per line (# comments), or a placement
+    JSON's hosts then spares (threefold plan --placement-out)."""
+    if not path:
+        return []
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as err:
+        raise ConfigError("parallel.hostfile", f"cannot read {path}: {err.strerror}") from None
+    if text.lstrip().startswith("{"):
+        try:
+            doc = json.loads(text)
+            return [str(h) for h in doc["hosts"]] + [str(h) for h in doc.get("spares", [])]
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError("parallel.hostfile", f"{path} is JSON without a list of hosts") from None
+    lines = (line.split("#")[0].strip() for line in text.splitlines())
+    return [line for line in lines if line]
 
 
 def data_parallel(cfg: Config, used: int, per_node: int) -> int:
@@ -130,13 +156,16 @@ def labels(names: list[str], tags: list[str], previous: Round | None) -> list[st
     return out
 
 
-def decide(previous: Round | None, present: list[Node], needed: int, dp: int) -> Round:
+def decide(previous: Round | None, present: list[Node], needed: int, dp: int, order: list[str] = ()) -> Round:
     """The round for the nodes `present` (in rendezvous order) when the layout needs `needed`
-    of them at data-parallel degree `dp`; `previous`: the job's last round (None: its first)."""
+    of them at data-parallel degree `dp`; `previous`: the job's last round (None: its first, whose
+    positions follow the host `order` of a placement, parallel.hostfile, where it names them)."""
     counts = {n.name: n.restarts for n in present}
     names = [n.name for n in present]
     most = max(counts.values(), default=0)
     if previous is None:
+        rank = {host: k for k, host in enumerate(order)}
+        names.sort(key=lambda n: rank.get(n, rank.get(n.split(":")[0], len(rank))))  # stable: the rest as they came
         seats, spares = names[:needed], names[needed:]
         return Round(most, most, most > 0, tuple(seats), tuple(spares), dp, counts)
     was_spare = set(previous.spares)

@@ -41,7 +41,17 @@ from pathlib import Path
 from threefold.atomic import atomic_write
 from threefold.config import Config
 from threefold.distributed import comm
-from threefold.training.seating import ROUND_ENV, Node, Round, data_parallel, decide, first_line, labels, nodes_needed
+from threefold.training.seating import (
+    ROUND_ENV,
+    Node,
+    Round,
+    data_parallel,
+    decide,
+    first_line,
+    host_order,
+    labels,
+    nodes_needed,
+)
 
 NODE_ENV = "THREEFOLD_NODE"
 """A node's name in the topology (default: its host name); agents sharing a host need one each."""
@@ -90,6 +100,7 @@ def take_seat(cfg: Config, environ: dict | None = None) -> Seat:
     nodes = int(env.get("GROUP_WORLD_SIZE", launch_world // per_node))
     group = int(env.get("GROUP_RANK", launch_rank // per_node))
     needed = nodes_needed(cfg, nodes, per_node)
+    order = host_order(cfg.parallel.hostfile)  # read by every worker: a bad file is every worker's one line
     keys = comm.prefixed(store, PREFIX)
     if local == 0:
         restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))  # this agent's, before the seat's
@@ -97,7 +108,7 @@ def take_seat(cfg: Config, environ: dict | None = None) -> Seat:
         entry = {"name": node_name(env), "tag": str(os.getppid()), "restarts": restarts}
         keys.set(f"node/{group}", json.dumps(entry))
     if launch_rank == 0:
-        _seat_the_round(cfg, keys, nodes, needed, per_node, env.get("TORCHELASTIC_RUN_ID", ""))
+        _seat_the_round(cfg, keys, nodes, needed, per_node, env.get("TORCHELASTIC_RUN_ID", ""), order)
     position = int(keys.get(f"pos/{group}"))
     rnd = json.loads(keys.get("round"))
     seat = Seat(
@@ -125,7 +136,7 @@ def take_seat(cfg: Config, environ: dict | None = None) -> Seat:
     return seat
 
 
-def _seat_the_round(cfg: Config, keys, nodes: int, needed: int, per_node: int, run: str) -> None:
+def _seat_the_round(cfg: Config, keys, nodes: int, needed: int, per_node: int, run: str, order: list[str]) -> None:
     """The launcher's rank 0: decide the round, record it, give every node its position
     (O(nodes) keys, once per round)."""
     names = [f"node/{g}" for g in range(nodes)]
@@ -136,7 +147,7 @@ def _seat_the_round(cfg: Config, keys, nodes: int, needed: int, per_node: int, r
     previous = Round.from_json(history[-1]) if history else None
     names = labels([e["name"] for e in entries], [e["tag"] for e in entries], previous)
     present = [Node(label, int(e["restarts"])) for label, e in zip(names, entries)]
-    rnd = decide(previous, present, needed, data_parallel(cfg, needed, per_node))
+    rnd = decide(previous, present, needed, data_parallel(cfg, needed, per_node), order)
     history.append({**rnd.to_json(), "time": time.time()})
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps({"run": run, "rounds": history[-RECORD_ROUNDS:]}, indent=1) + "\n")
