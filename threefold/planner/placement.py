@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from threefold.distributed.grid import RankLayout
@@ -76,8 +77,7 @@ def block_and_grid(layout: RankLayout, topo: Topology) -> tuple[dict[str, int], 
     if layout.order != "tp-cp-ep-dp-pp":
         raise ConfigError("parallel.order", f"placement follows tp-cp-ep-dp-pp, not {layout.order!r}")
     g = topo.gpus_per_node
-    domains = {n.domain for n in topo.healthy}
-    domain = max(sum(1 for n in topo.healthy if n.domain == d) for d in domains) * g
+    domain = max(Counter(n.domain for n in topo.healthy).values()) * g  # the largest domain's GPUs
     if layout.tp > domain:
         raise ConfigError(
             "parallel.tp", f"tp={layout.tp} does not fit an NVLink domain of {domain} GPUs", f"tp <= {domain}"

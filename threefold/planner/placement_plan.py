@@ -10,6 +10,7 @@ import json
 from threefold.atomic import atomic_write
 from threefold.errors import ConfigError
 from threefold.planner.placement import (
+    block_and_grid,
     hostlist_placement,
     minimum_spine_bytes,
     place,
@@ -32,6 +33,23 @@ def cluster_pairs(topo: Topology, named: set[str]) -> list[tuple[str, object]]:
         "inter_bw_gbps": topo.bandwidth_gbps["leaf"],
     }
     return [(key, value) for key, value in values.items() if key not in named]
+
+
+def placeable_only(plan, topo: Topology, keep: int):
+    """`plan` with the layouts the topology cannot place (their blocks of tp, cp and ep do not
+    fill whole nodes, or tp outgrows an NVLink domain) moved to its rejections; the `keep`
+    fastest of the rest."""
+    from threefold.planner.search import Rejected
+
+    kept = []
+    for pred in plan.ranked:
+        try:
+            block_and_grid(rank_layout(pred.layout), topo)
+        except ConfigError as err:
+            plan.rejected.setdefault("placement", Rejected("placement")).add(pred.layout.spec(), f"{err}.")
+            continue
+        kept.append(pred)
+    return dataclasses.replace(plan, ranked=kept[:keep])
 
 
 def placed(shape, cluster, layout, global_batch: int, dtype: str, topo: Topology):
