@@ -182,7 +182,15 @@ def minimum_spine_bytes(layout: RankLayout, topo: Topology, traffic: dict[str, f
 
 def place(layout: RankLayout, topo: Topology, traffic: dict[str, float]) -> Placement:
     """Hosts for `layout` on `topo` (module docstring); `traffic` is each dimension's bytes per
-    member per step (traffic_per_step), which decides the box."""
+    member per step (traffic_per_step), which decides the box: the least spine bytes (of two
+    alike, the larger box)."""
+    options = box_placements(layout, topo)
+    return min(options, key=lambda p: (spine_bytes(layout, p, traffic), -math.prod(p.box.values())))
+
+
+def box_placements(layout: RankLayout, topo: Topology) -> list[Placement]:
+    """One placement of `layout` per box shape the roomiest leaf holds, spares and drained nodes
+    listed (the box is place's choice, or the priced step's: planner/placement_plan.py)."""
     g = topo.gpus_per_node
     block, grid = block_and_grid(layout, topo)
     nodes_per_block = math.prod(block.values()) // g
@@ -195,16 +203,15 @@ def place(layout: RankLayout, topo: Topology, traffic: dict[str, float]) -> Plac
             f"{layout.world_size} ranks need {need} blocks of {nodes_per_block} node(s); the healthy nodes hold {have}",
         )
     order = sorted(leaves, key=lambda leaf: (-len(leaves[leaf]), leaf))
-    best = None
+    drained = [n for n in topo.nodes if not n.healthy]
+    out = []
     for box in boxes(grid, len(leaves[order[0]])):
         placement = _fill(grid, box, leaves, order, need, g, block)
-        cost = (spine_bytes(layout, placement, traffic), -math.prod(box.values()))
-        if best is None or cost < best[0]:
-            best = (cost, placement)
-    placement = best[1]
-    placement.spares += [n for n in topo.healthy if n not in placement.hosts and n not in placement.spares]
-    placement.drained = [n for n in topo.nodes if not n.healthy]
-    return placement
+        taken = set(map(id, placement.hosts + placement.spares))
+        placement.spares += [n for n in topo.healthy if id(n) not in taken]
+        placement.drained = drained
+        out.append(placement)
+    return out
 
 
 def _fill(grid, box, leaves, order, need, g, block) -> Placement:
