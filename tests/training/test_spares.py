@@ -200,12 +200,13 @@ def test_a_spare_node_takes_the_lost_nodes_place(tmp_path, cache_dir):
     assert run["config"]["train"]["global_batch"] == build_config(None, []).train.global_batch
     straight = run_training({"train.steps": 8, "train.lr": CALM_LR}, tmp_path / "straight", cache_dir)
     final = {r["step"]: r["loss"] for r in rows}
-    within(
+    delta = within(
         "spare takeover (tp2 dp2) vs a straight dp1 run",
         max(abs(final[s] - straight[s - 1]["loss"]) for s in final),
         PARITY,
     )
     print(f"spare takeover: mttr {rows[5]['mttr_s']:.1f} s (the node's death to the end of the first resumed step)")
+    print(f"spare takeover: max |loss - straight| {delta:.2e} over steps {sorted(final)}")
 
 
 def test_a_node_that_returns_grows_dp_back(tmp_path, cache_dir):
@@ -258,6 +259,6 @@ def test_a_node_that_returns_grows_dp_back(tmp_path, cache_dir):
         cache_dir,
     )
     assert [r["step"] for r in straight] == [r["step"] for r in grown]
-    within("grown back to dp2 vs a straight dp2 run from its checkpoint", max(
+    delta = within("grown back to dp2 vs a straight dp2 run from its checkpoint", max(
         abs(a["loss"] - b["loss"]) for a, b in zip(grown, straight)), PARITY)  # fmt: skip
-    print(f"grow back at step {at}: {len(grown)} steps at dp 2 after it")
+    print(f"grow back at step {at}: {len(grown)} steps at dp 2 after it, max |loss - straight| {delta:.2e}")
