@@ -89,11 +89,11 @@ class Seat:
         return self.position is None
 
 
-def take_seat(cfg: Config, environ: dict | None = None) -> Seat:
+def take_seat(cfg: Config) -> Seat:
     """This worker's seat in the round (collective over every worker torchrun started). Seated:
     the environment now names the seat's rank, world and attempt. A layout that cannot be made of
     whole nodes raises ConfigError on every worker."""
-    env = os.environ if environ is None else environ
+    env = os.environ
     per_node = int(env.get("LOCAL_WORLD_SIZE", 1))
     local = int(env.get("LOCAL_RANK", 0))
     store, launch_rank, launch_world = comm.launcher_store(timedelta(seconds=cfg.train.startup_timeout_s))
