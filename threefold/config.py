@@ -85,6 +85,12 @@ class ParallelConfig:
         "tp-cp-ep-dp-pp", "Rank order, fastest-varying first (tp first keeps TP groups on neighbouring ranks)"
     )
     devices_per_node: int = knob(0, "Devices per node for placement checks (0 = local world size)")
+    hostfile: str = knob(
+        "",
+        "Under torchrun: a new job seats its nodes in this file's order, one host per line, or the hosts "
+        "then spares of threefold plan --placement-out JSON ('' = the rendezvous' order; nodes beyond the "
+        "layout's wait as spares)",
+    )
     allow_tp_across_nodes: bool = knob(False, "Permit a tensor-parallel group to span nodes")
     bucket_mb: float = knob(25.0, "Gradient bucket size in MiB for data-parallel reduction (ZeRO 3 reduces per block)")
     grad_reduce: str = knob(

@@ -6,13 +6,14 @@ import argparse
 import dataclasses
 import json
 import tomllib
+from functools import partial
 from pathlib import Path
 
 from threefold.errors import ConfigError
 
 USAGE = """threefold plan [--config FILE] --train.global_batch N [--model.KEY V ...] [--cluster.KEY V ...]
                       [--layout SPEC] [--json] [--top N] [--emit-config FILE] [--faults.KEY V ...]
-                      [--topology FILE [--placement-out FILE]]
+                      [--topology FILE [--placement-out FILE]] [--spares auto|N [--batch-within PCT]]
        threefold plan --calibrate RUN_DIR [RUN_DIR ...] [--validate RUN_DIR ...] [--cluster.KEY V ...]
                       [--fit PARAM,PARAM] [--save-profile FILE] [--json]
   e.g. threefold plan --model.preset llama-70b --cluster.device h100 --cluster.nodes 16 --train.global_batch 1024
@@ -21,6 +22,8 @@ USAGE = """threefold plan [--config FILE] --train.global_batch N [--model.KEY V 
   --parallel.{tp,pp,dp,vpp,zero,sp,schedule,ep}, --train.micro_batch and --train.recompute pin that
   dimension of the search. threefold plan --help-cluster lists the cluster and faults keys."""
 
+PLACE_KEEP = 50
+"""With --topology: the search's fastest layouts looked through for those the topology places."""
 # Config keys that, when given, pin one dimension of the search.
 PIN_KEYS = {
     "parallel.tp": "tp",
@@ -72,6 +75,14 @@ def _parser() -> argparse.ArgumentParser:
         "--spares",
         metavar="auto|N",
         help="keep hot spare nodes: auto weighs 0 to 2%% of the nodes by throughput x goodput (planner/spares.py)",
+    )
+    ap.add_argument(
+        "--batch-within",
+        metavar="PCT",
+        type=float,
+        default=5.0,
+        help="with --spares: a node count the global batch does not split trains the nearest batch within "
+        "PCT%% of it that one of its layouts does (default 5; 0 keeps the batch)",
     )
     ap.add_argument("--help-cluster", action="store_true", help="list the cluster and faults keys")
     return ap
@@ -189,7 +200,15 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
         from threefold.planner.faults import recovery_s
         from threefold.planner.spares import best_option, candidates, spare_options
 
-        options = spare_options(shape, cluster, B, dtype, faults, candidates(cluster.nodes, args.spares), pins)
+        if not 0 <= args.batch_within < 100:
+            raise ConfigError("--batch-within", f"{args.batch_within:g} is not a percentage in [0, 100)")
+        counts = candidates(cluster.nodes, args.spares)
+        within, refine = args.batch_within / 100, None
+        if topo is not None:  # each count's fastest layout the topology places
+            from threefold.planner.placement_plan import placeable_only
+
+            refine = partial(placeable_only, topo=topo, keep=1)
+        options = spare_options(shape, cluster, B, dtype, faults, counts, pins, within, PLACE_KEEP, refine)
         chosen = best_option(options)
         if chosen is None:
             raise ConfigError("--spares", f"no layout runs on {cluster.nodes} nodes less any spare count weighed")
@@ -200,6 +219,7 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
                 f"  no layout of the model and batch on the nodes {len(none)} other counts leave: {none}"
             )
         cluster = dataclasses.replace(cluster, nodes=chosen.nodes)
+        B = cfg.train.global_batch = chosen.batch  # the batch chosen with the nodes (and --emit-config's)
         restart = recovery_s(faults, chosen.spares, chosen.nodes, cluster.devices_per_node)
     if args.layout:
         layout = parse_layout(args.layout, cluster.world)
@@ -215,9 +235,13 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
         else:
             note = None
     else:
-        plan = search(shape, cluster, B, dtype, pins=pins, keep=max(args.top, 1))
+        plan = search(shape, cluster, B, dtype, pins=pins, keep=max(args.top, PLACE_KEEP if topo else 1))
+        if topo is not None:
+            from threefold.planner.placement_plan import placeable_only
+
+            plan = placeable_only(plan, topo, max(args.top, 1))
         if not plan.ranked:
-            raise ConfigError("plan", _nothing_fits(plan))
+            raise ConfigError("plan", _nothing_fits(plan) + _batch_hint(plan, pins, args.spares is None))
         pred, note = plan.best, None
     placed = None
     if topo is not None:
@@ -320,6 +344,19 @@ def _nothing_fits(plan) -> str:
         spec, sentence = rej.best()[0]
         return f"no layout of {where} is possible: e.g. {spec}: {sentence.rstrip('.')}"
     return f"no layout of {where} is possible"
+
+
+def _batch_hint(plan, pins, spares_off: bool) -> str:
+    """When the global batch is what no layout of the cluster's nodes splits: the nearest batch
+    that one does (within 25%), and --spares auto, which leaves nodes out instead."""
+    from threefold.planner.spares import nearest_plan
+
+    if "batch" not in plan.rejected:
+        return ""
+    near, batch = nearest_plan(plan.shape, plan.cluster, plan.global_batch, plan.dtype, pins, within=0.25)
+    nodes = f"the {plan.cluster.nodes:,} nodes"
+    other = f"; a global batch of {batch:,} splits over {nodes}" if near is not None and near.ranked else ""
+    return other + ("; or --spares auto leaves nodes out as spares" if spares_off else "")
 
 
 def _calibrate(args, base, explicit: set[str]) -> int:

@@ -615,12 +615,41 @@ def destroy_group(handle) -> None:
     dist.destroy_process_group(handle)
 
 
-def join(backend: str, device: torch.device, timeout: timedelta, restart_count: int, launched: bool) -> None:
+StoreTimeout = dist.DistStoreError
+"""What a store's wait raises when its keys did not come in time (any other DistError: the store
+is gone)."""
+
+
+def launcher_store(timeout: timedelta):
+    """The launcher's store for this round (torchrun's MASTER_ADDR:MASTER_PORT, hosted by its
+    rank 0) as torchrun numbered the workers: (store, rank, world). Its get, set, add, wait and
+    check are the c10d Store's."""
+    return next(dist.rendezvous("env://", timeout=timeout))
+
+
+def prefixed(store, prefix: str):
+    """`store` with every key under `prefix`."""
+    return dist.PrefixStore(prefix, store)
+
+
+def join(
+    backend: str,
+    device: torch.device,
+    timeout: timedelta,
+    restart_count: int,
+    launched: bool,
+    seat: tuple | None = None,
+) -> None:
     """Join the job's process group. Under the elastic agent the group lives on a store
     prefixed by the restart count: restarted workers would otherwise read the dead attempt's
-    stale gloo keys and fail to connect. Alone (not launched), a one-rank group on a local store."""
-    if launched:
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    stale gloo keys and fail to connect. `seat`: (launcher store, rank, world) when the worker's
+    rank is its seat in the round (training/seats.py) rather than torchrun's numbering. Alone
+    (not launched), a one-rank group on a local store."""
+    if seat is not None:
+        store, rank, world = seat
+        store = dist.PrefixStore(f"threefold/attempt_{restart_count}", store)
+    elif launched:
+        store, rank, world = launcher_store(timeout)
         store = dist.PrefixStore(f"threefold/attempt_{restart_count}", store)
     else:
         store, rank, world = dist.HashStore(), 0, 1

@@ -56,6 +56,7 @@ KIND_TITLES = {
     "ep": "expert parallelism does not apply",
     "cp": "context parallelism does not apply",
     "devices": "more devices than the cluster has",
+    "placement": "does not place on the topology",
 }
 
 

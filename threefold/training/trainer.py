@@ -61,6 +61,7 @@ from threefold.training.expert_load import ExpertLoad
 from threefold.training.loop import TrainingLoop
 from threefold.training.optim import lr_at
 from threefold.training.resilience import RunGuard, continues_run
+from threefold.training.seating import restart_line
 from threefold.training.signals import StopSignals, completion_event
 from threefold.training.status import StatusLine
 
@@ -223,7 +224,7 @@ class Trainer:
             n = WorkerEnv.from_environ().restart_count
             why = failures.summary(self.cfg.log.dir, n - 1, world.size) if self.is_logger else None
             source = f" from {found[0].name}" if found is not None else " (no checkpoint yet)"
-            self.log(f"threefold: restart {n} of {of}{f' after {why}' if why else ''}; resumed at step {step}{source}")
+            self.log(restart_line(n, of, why, step, source))  # with what the round changed (seating.py)
         if step == 0 and c.init_from:
             weights = [s for s in self.state if s.name.startswith("model/")]
             directory, manifest = choose(weights, world, path=c.init_from, warn=self.log)
