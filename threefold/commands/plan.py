@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import tomllib
-from functools import partial
 from pathlib import Path
 
 from threefold.errors import ConfigError
@@ -22,8 +21,6 @@ USAGE = """threefold plan [--config FILE] --train.global_batch N [--model.KEY V 
   --parallel.{tp,pp,dp,vpp,zero,sp,schedule,ep}, --train.micro_batch and --train.recompute pin that
   dimension of the search. threefold plan --help-cluster lists the cluster and faults keys."""
 
-PLACE_KEEP = 50
-"""With --topology: the search's fastest layouts looked through for those the topology places."""
 # Config keys that, when given, pin one dimension of the search.
 PIN_KEYS = {
     "parallel.tp": "tp",
@@ -168,13 +165,15 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
             cluster_pairs = [*cluster_pairs, (key, getattr(cfg.parallel, key))]
     if cfg.train.grad_reduce_dtype in ("bf16", "fp16") and "grad_reduce" not in named:
         cluster_pairs = [*cluster_pairs, ("grad_reduce", "16bit")]  # the run's reduction, unless --cluster says
-    topo = None
+    topo = admit = None
     if args.topology:
         from threefold.planner.placement_plan import cluster_pairs as topology_pairs
+        from threefold.planner.placement_plan import placement_check
         from threefold.planner.topology import read_topology
 
         topo = read_topology(args.topology)
         cluster_pairs = [*cluster_pairs, *topology_pairs(topo, named)]
+        admit = placement_check(topo)  # the search keeps only layouts the topology places
     for flag, value in (("--placement-out", args.placement_out), ("--launch-out", args.launch_out)):
         if value and not args.topology:
             raise ConfigError(flag, "needs --topology FILE to place the layout on")
@@ -203,12 +202,8 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
         if not 0 <= args.batch_within < 100:
             raise ConfigError("--batch-within", f"{args.batch_within:g} is not a percentage in [0, 100)")
         counts = candidates(cluster.nodes, args.spares)
-        within, refine = args.batch_within / 100, None
-        if topo is not None:  # each count's fastest layout the topology places
-            from threefold.planner.placement_plan import placeable_only
-
-            refine = partial(placeable_only, topo=topo, keep=1)
-        options = spare_options(shape, cluster, B, dtype, faults, counts, pins, within, PLACE_KEEP, refine)
+        within = args.batch_within / 100
+        options = spare_options(shape, cluster, B, dtype, faults, counts, pins, within, 1, admit)
         chosen = best_option(options)
         if chosen is None:
             raise ConfigError("--spares", f"no layout runs on {cluster.nodes} nodes less any spare count weighed")
@@ -235,11 +230,7 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
         else:
             note = None
     else:
-        plan = search(shape, cluster, B, dtype, pins=pins, keep=max(args.top, PLACE_KEEP if topo else 1))
-        if topo is not None:
-            from threefold.planner.placement_plan import placeable_only
-
-            plan = placeable_only(plan, topo, max(args.top, 1))
+        plan = search(shape, cluster, B, dtype, pins=pins, keep=max(args.top, 1), admit=admit)
         if not plan.ranked:
             raise ConfigError("plan", _nothing_fits(plan) + _batch_hint(plan, pins, args.spares is None))
         pred, note = plan.best, None

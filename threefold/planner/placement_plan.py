@@ -36,21 +36,18 @@ def cluster_pairs(topo: Topology, named: set[str]) -> list[tuple[str, object]]:
     return [(key, value) for key, value in values.items() if key not in named]
 
 
-def placeable_only(plan, topo: Topology, keep: int):
-    """`plan` with the layouts the topology cannot place (their blocks of tp, cp and ep do not
-    fill whole nodes, or tp outgrows an NVLink domain) moved to its rejections; the `keep`
-    fastest of the rest."""
-    from threefold.planner.search import Rejected
+def placement_check(topo: Topology):
+    """search()'s `admit`: a layout the topology cannot place (its blocks of tp, cp and ep do not
+    fill whole nodes, or tp outgrows an NVLink domain) is rejected for "placement"."""
 
-    kept = []
-    for pred in plan.ranked:
+    def admit(layout) -> tuple[str, str] | None:
         try:
-            block_and_grid(rank_layout(pred.layout), topo)
+            block_and_grid(rank_layout(layout), topo)
         except ConfigError as err:
-            plan.rejected.setdefault("placement", Rejected("placement")).add(pred.layout.spec(), f"{err}.")
-            continue
-        kept.append(pred)
-    return dataclasses.replace(plan, ranked=kept[:keep])
+            return "placement", f"{err}."
+        return None
+
+    return admit
 
 
 def placed(shape, cluster, layout, global_batch: int, dtype: str, topo: Topology):

@@ -78,18 +78,17 @@ def batch_tiers(global_batch: int, world: int, within: float) -> list[list[int]]
 
 
 def nearest_plan(
-    shape, cluster, global_batch: int, dtype: str, pins=None, within: float = 0.0, keep: int = 1, refine=None
+    shape, cluster, global_batch: int, dtype: str, pins=None, within: float = 0.0, keep: int = 1, admit=None
 ):
     """(plan, batch): the search at the asked batch when a layout of the cluster runs it, else at
     the nearest batch within `within` that one does (of two equally near, the faster); the asked
-    batch's empty plan when none does. `refine(plan)`: the plan as the caller takes it (e.g. the
-    layouts a topology places)."""
+    batch's empty plan when none does. `admit`: search()'s (e.g. only the layouts a topology
+    places)."""
     first = None
     for tier in batch_tiers(global_batch, cluster.world, within):
         found = []
         for batch in tier:
-            plan = search(shape, cluster, batch, dtype, pins=pins, keep=keep)
-            plan = refine(plan) if refine else plan
+            plan = search(shape, cluster, batch, dtype, pins=pins, keep=keep, admit=admit)
             first = first or plan
             if plan.ranked:
                 found.append((plan.best.tokens_per_s, batch, plan))
@@ -109,16 +108,16 @@ def spare_options(
     pins=None,
     within: float = 0.0,
     keep: int = 1,
-    refine=None,
+    admit=None,
 ) -> list[SpareOption]:
     """One option per spare count in `counts`, on cluster.nodes - count nodes, each at the batch
     nearest `global_batch` (within that fraction of it) a layout of its nodes splits (`keep`,
-    `refine`: as nearest_plan's)."""
+    `admit`: as nearest_plan's)."""
     out = []
     for k in counts:
         nodes = cluster.nodes - k
         on = dataclasses.replace(cluster, nodes=nodes)
-        plan, batch = nearest_plan(shape, on, global_batch, dtype, pins, within, keep, refine)
+        plan, batch = nearest_plan(shape, on, global_batch, dtype, pins, within, keep, admit)
         if not plan.ranked:
             why = "no layout of the model and batch fits or divides them"
             out.append(SpareOption(k, nodes, None, None, why, global_batch, global_batch))
