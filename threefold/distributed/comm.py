@@ -575,8 +575,11 @@ def world_handle():
     return dist.group.WORLD
 
 
-def new_group(ranks: list[int], timeout: timedelta | None = None, backend: str | None = None):
-    """A process group over `ranks` (collective over the whole job: every rank calls it)."""
+def new_group(ranks: list[int], timeout: timedelta | None = None, backend: str | None = None, local: bool = False):
+    """A process group over `ranks` (collective over the whole job: every rank calls it; with
+    `local`, only the members call it, O(1) per member whatever the world size)."""
+    if local:
+        return dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
     return dist.new_group(ranks, timeout=timeout, backend=backend)
 
 
