@@ -1,0 +1,58 @@
+"""Drills that fire once per run (faults.jsonl remembers them across attempts), and a full disk:
+a failed storage save is one line and training goes on (training/faults.py, resilience.py)."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+from threefold.checkpoint import list_checkpoints
+from threefold.training.faults import FaultInjector, parse
+
+from harness import CALM_LR, run_training
+
+
+def test_a_fault_fires_once_per_elastic_run_whatever_the_attempt(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
+    faults = parse("nan:step=3,enospc:rank=0:step=5")
+    first = FaultInjector(faults, 0, restart_count=0, run=str(tmp_path))
+    first.step_begins(3)
+    assert first._poison and first.save_error(5).errno == errno.ENOSPC
+    records = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"], r["run"]) for r in records] == [("nan", 3, "run-a"), ("enospc", 5, "run-a")]
+    # The agent's next attempt (another process) replays steps 3 and 5: nothing fires again ...
+    again = FaultInjector(faults, 0, restart_count=1, run=str(tmp_path))
+    again.step_begins(3)
+    assert not again._poison and again.save_error(5) is None
+    # ... while a fault the first attempt never reached (step 9) still fires in a later one.
+    later = FaultInjector(parse("nan:step=9"), 0, restart_count=2, run=str(tmp_path))
+    later.step_begins(9)
+    assert later._poison
+    # Another elastic run in the same log directory fires its own.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-b")
+    other = FaultInjector(faults, 0, restart_count=0, run=str(tmp_path))
+    other.step_begins(3)
+    assert other._poison
+
+
+def test_a_full_disk_at_one_save_costs_that_checkpoint_not_the_run(tmp_path, cache_dir, capsys):
+    """The save after step 4 fails with ENOSPC on the writing rank: every rank gets the same one
+    line, the run trains on, and the next saves are complete (4 is missing, 2 and 6 are there)."""
+    ckpt = tmp_path / "ckpt"
+    rows = run_training(
+        {
+            "train.steps": 6,
+            "train.lr": CALM_LR,
+            "checkpoint.dir": ckpt,
+            "checkpoint.interval": 2,
+            "checkpoint.keep": 0,
+            "train.faults": "enospc:rank=0:step=3",
+        },
+        tmp_path / "log",
+        cache_dir,
+    )
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    out = capsys.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if "not saved" in line]
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "training goes on" in lines[0], lines
+    assert [d.name for d in list_checkpoints(ckpt)] == ["step_00000006", "step_00000002"]
