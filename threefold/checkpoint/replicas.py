@@ -38,6 +38,7 @@ from threefold.checkpoint.replica_store import (
     DATA,
     MappedState,
     NodeStore,
+    data_size,
     invalidate,
     map_bytes,
     nbytes_of,
@@ -180,11 +181,12 @@ class MemoryReplicas:
         return nbytes_of(self.tensors)
 
     def ram_bytes(self) -> dict:
-        """Host memory this rank's replicas hold: two slots of its own state, two of each state it
-        keeps a copy of (the same size: a ring pairs equal ranks), and a pinned staging copy where
-        the mapping could not be registered."""
-        own = 2 * self.state_bytes
-        held = 2 * self.state_bytes * len(self.plan.receive_from)
+        """Host memory this rank's replicas hold, as their files in the node's store: the two slots
+        of its own state, the two of each state it keeps a copy of, and a pinned staging copy
+        where the mapping could not be registered."""
+        slots = lambda q: sum(data_size(self.store.slot(q, i)) for i in (0, 1))  # noqa: E731
+        own = slots(self.rank)
+        held = sum(slots(s) for s in self.plan.receive_from)
         staging = sum(b.numel() * b.element_size() for b in self.staging)
         return {"own": own, "held": held, "staging": staging, "total": own + held + staging}
 
@@ -310,6 +312,23 @@ class MemoryReplicas:
                 posted.append((comm.batch_send_recv(ops, self.groups[pair]), self.groups[pair]))
         for works, group in posted:
             comm.wait_all(works, group)
+
+    def measure(self, step: int, repeats: int = 5) -> dict:
+        """`threefold memory`: the host memory the replicas hold and what a snapshot blocks the
+        loop for (the median of `repeats`, each after the previous exchange ended), collective
+        among buddy pairs like a snapshot."""
+        stalls = []
+        for _ in range(repeats):
+            self.wait()
+            stalls.append(self.snapshot(step, {"optimizer_step": step}))
+        self.wait()
+        stalls.sort()
+        return {
+            **self.ram_bytes(),
+            "state": self.state_bytes,
+            "stall_s": stalls[len(stalls) // 2],
+            "copy": self.plan.note,
+        }
 
     def wait(self) -> None:
         """The snapshot in flight (its checksum, publication and exchange) has ended."""

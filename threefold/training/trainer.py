@@ -317,6 +317,8 @@ class Trainer:
                 self.replicas.finish()
             raise
         if self.replicas is not None:
+            if self.probe:
+                self.probe.replica = self.replicas.measure(last["step"])
             self.replicas.finish()
         if self.probe:
             return self.probe.gather(self.cfg, self.grid, self.chunks, self.dtype)
