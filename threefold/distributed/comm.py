@@ -624,7 +624,12 @@ def join(backend: str, device: torch.device, timeout: timedelta, restart_count: 
     stale gloo keys and fail to connect. Alone (not launched), a one-rank group on a local store."""
     if launched:
         store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        store = dist.PrefixStore(f"threefold/attempt_{restart_count}", store)
+        # The agents' shared store outlives a failed attempt: a restarted group must not read its
+        # keys. Without it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) the new rank 0 hosts a fresh store
+        # each round, and agents of several nodes may count restarts differently (one restarts its
+        # workers for a failure, another for the membership change): no prefix that differs.
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") == "True":
+            store = dist.PrefixStore(f"threefold/attempt_{restart_count}", store)
     else:
         store, rank, world = dist.HashStore(), 0, 1
     kwargs = {"device_id": device} if device.type == "cuda" else {}

@@ -35,7 +35,7 @@ from threefold.data import GlobalBatchSampler, load_tokens
 from threefold.data.split import training_part
 from threefold.data.tokenizer import check_vocab, open_tokenizer
 from threefold.distributed import failures
-from threefold.distributed.comm import all_reduce_sum
+from threefold.distributed.comm import all_reduce_max, all_reduce_sum
 from threefold.distributed.context_parallel.apply import split_microbatches
 from threefold.distributed.data_parallel import MixedPrecision, build_data_parallel
 from threefold.distributed.data_parallel.state import refresh_params
@@ -216,6 +216,11 @@ class Trainer:
         c, world = self.cfg.checkpoint, self.grid.world
         step, found, memory = 0, None, False
         self.attempt_start["load_start"] = time.time()
+        if world.size > 1 and os.environ.get("TORCHELASTIC_RUN_ID"):
+            # Agents of several nodes may count restarts differently (a node's agent restarts its
+            # workers for the membership change, not for a failure): every rank resumes if any does.
+            flag = torch.tensor([int(restarted)], dtype=torch.int64, device=world.device)
+            restarted = bool(all_reduce_max(flag, world).item())
         if self.replicas is not None:  # every rank: a replacement node's too (not restarted itself)
             found = self.replicas.restore(self.state, c.resume == "auto" or restarted, c.dir, warn=self.log)
             memory, restarted = found is not None, restarted or self.replicas.wanted_anywhere
