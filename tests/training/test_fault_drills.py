@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 
+import threefold.training.faults as faults_module
 from threefold.checkpoint import list_checkpoints
 from threefold.training.faults import FaultInjector, parse
 
@@ -20,7 +21,9 @@ def test_a_fault_fires_once_per_elastic_run_whatever_the_attempt(tmp_path, monke
     assert first._poison and first.save_error(5).errno == errno.ENOSPC
     records = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"], r["run"]) for r in records] == [("nan", 3, "run-a"), ("enospc", 5, "run-a")]
-    # The agent's next attempt (another process) replays steps 3 and 5: nothing fires again ...
+    # The agent's next attempt (another process: nothing remembered in memory) replays steps 3
+    # and 5: nothing fires again ...
+    monkeypatch.setattr(faults_module, "_FIRED", set())
     again = FaultInjector(faults, 0, restart_count=1, run=str(tmp_path))
     again.step_begins(3)
     assert not again._poison and again.save_error(5) is None
@@ -56,3 +59,12 @@ def test_a_full_disk_at_one_save_costs_that_checkpoint_not_the_run(tmp_path, cac
     lines = [line for line in (out.out + out.err).splitlines() if "not saved" in line]
     assert len(lines) == 1 and "No space left on device" in lines[0] and "training goes on" in lines[0], lines
     assert [d.name for d in list_checkpoints(ckpt)] == ["step_00000006", "step_00000002"]
+
+
+def test_a_save_fault_with_a_window_acts_on_its_first_save_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-w")
+    faults = parse("enospc:rank=0:step=4:count=50")
+    first = FaultInjector(faults, 0, restart_count=0, run=str(tmp_path))
+    assert first.save_error(3) is None and first.save_error(9) is not None and first.save_error(19) is None
+    monkeypatch.setattr(faults_module, "_FIRED", set())  # a later attempt's process
+    assert FaultInjector(faults, 0, restart_count=1, run=str(tmp_path)).save_error(29) is None  # nor later

@@ -35,15 +35,22 @@ def daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * c * m) * (1 + math.sqrt(x) / 3 + x / 9) - c
 
 
-def goodput(interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float) -> float:
-    """Useful time / wall time for checkpoints every `interval_s` of work (Daly 2006, eq. 13)."""
+def goodput(
+    interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float, restarts_fail: bool = True
+) -> float:
+    """Useful time / wall time for checkpoints every `interval_s` of work (Daly 2006, eq. 13).
+    `restarts_fail=False`: failures strike only while the job works, never during a restart (a
+    drill fires at a step; M is then work time per failure), so each costs R once and the
+    restart term M e^(R/M) becomes M + R: the expected time of a segment of length x is
+    (M + R)(e^(x/M) - 1)."""
     m = mtbf_s
     if interval_s <= 0:
         return 0.0
     exponent = (interval_s + checkpoint_s) / m
     if exponent > 700 or restart_s / m > 700:
         return 0.0
-    return interval_s / (m * math.exp(restart_s / m) * math.expm1(exponent))
+    restart = m * math.exp(restart_s / m) if restarts_fail else m + restart_s
+    return interval_s / (restart * math.expm1(exponent))
 
 
 def estimated_mtbf(prior_s: float, observed_s: float, failures: int) -> float:

@@ -162,8 +162,12 @@ class Goodput:
         prev = self.prev
         if prev is not None and rec.get("segment") != prev.get("segment"):
             # A failure between prev and rec: steps from rec's on were computed before and are redone.
+            # The failure fired in the step after prev; another rank may begin that step while
+            # the first still writes prev's line: look back as far as prev's own start.
+            since = prev["time"] - prev.get("step_time_s", 0.0)
             failed_at, cause = next(
-                ((t, kind) for t, kind in self._faults if prev["time"] <= t <= rec["time"]), (prev["time"], "")
+                ((max(t, prev["time"]), kind) for t, kind in self._faults if since <= t <= rec["time"]),
+                (prev["time"], ""),
             )
             mttr = rec["time"] - failed_at
             redone = [s for s in self.productive if s >= step] + [s for s in self.skipped if s >= step]

@@ -16,11 +16,12 @@ list of faults separated by `,`, each `kind:key=value:key=value`:
     nan:step=4                 the loss of step 4 is NaN on every rank (or :rank=R only);
                                :count=N poisons N consecutive steps (once per process)
     corrupt:step=4             after the checkpoint of step 4 is published, flip a byte of its
-                               rank00000.pt (or :file=NAME)
+                               rank00000.pt (or :file=NAME); with :count=N, of the first
+                               checkpoint published in steps 4 to 4 + N - 1
     ramloss:rank=1:step=5      rank 1's node loses its memory replicas as step 5 begins (its RAM
                                gone: with kill, a node that came back empty); killnode does too
     enospc:rank=1:step=5       rank 1's write of the checkpoint saved after step 5 fails with
-                               ENOSPC, as on a full disk
+                               ENOSPC, as on a full disk (:count=N: the first save in N steps)
     slow:...:steps=N           (slow only) for N steps from its step, then at full speed again
 
 Steps are 0-based loop indices: `step=5` fires before the sixth optimizer step. A fault that
@@ -57,6 +58,8 @@ from threefold.observe.goodput import read_faults, record_fault
 
 SLOW_KINDS = ("slow", "slowdevice", "slowlayer", "hotexpert")
 """Faults that act on every attempt: a slow part stays slow after a restart."""
+ONCE = ("corrupt", "enospc")
+"""Faults that act at the first save of their window (:count=N steps from their step), once."""
 HOT_SHIFT = 4.0
 """hotexpert: the input shift along the expert's router row, in units of each token's norm (the
 row's logit then beats every other row's by far more than the tokens' own spread)."""
@@ -105,8 +108,11 @@ class FaultInjector:
         an earlier attempt of the run; recorded in faults.jsonl as it fires (its time first)."""
         for f in self.faults:
             due = f.step <= step < f.step + f.count
-            key = (self.run, self.elastic, f, step)
-            if f.kind == kind and due and key not in _FIRED and (repr(f), step) not in self.fired:
+            # corrupt and enospc act on the first save in their window [step, step + count), once.
+            at = None if kind in ONCE else step
+            key = (self.run, self.elastic, f, at)
+            fired = (repr(f), step) in self.fired or (at is None and repr(f) in {r for r, _ in self.fired})
+            if f.kind == kind and due and key not in _FIRED and not fired:
                 _FIRED.add(key)
                 if self.run:
                     record_fault(self.run, self.rank, kind, step, run=self.elastic, fault=repr(f))
