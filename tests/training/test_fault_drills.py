@@ -68,3 +68,18 @@ def test_a_save_fault_with_a_window_acts_on_its_first_save_only(tmp_path, monkey
     assert first.save_error(3) is None and first.save_error(9) is not None and first.save_error(19) is None
     monkeypatch.setattr(faults_module, "_FIRED", set())  # a later attempt's process
     assert FaultInjector(faults, 0, restart_count=1, run=str(tmp_path)).save_error(29) is None  # nor later
+
+
+def test_a_resume_after_a_skipped_step_continues_bit_for_bit(tmp_path, cache_dir):
+    """A NaN step is skipped (AdamW's step count does not move); the checkpoint of step 4
+    records the updates applied (3), so a run resumed from it continues with the same bias
+    correction as the uninterrupted one, bit for bit."""
+    base = {"train.steps": 8, "train.lr": CALM_LR, "checkpoint.interval": 4, "train.faults": "nan:step=1"}
+    straight = run_training({**base, "checkpoint.dir": tmp_path / "ckpt"}, tmp_path / "a", cache_dir)
+    assert [r["step_skipped"] for r in straight[:3]] == [False, True, False]
+    resumed = run_training(
+        {**base, "train.faults": "", "checkpoint.resume": tmp_path / "ckpt" / "step_00000004"},
+        tmp_path / "b",
+        cache_dir,
+    )
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[4:]]

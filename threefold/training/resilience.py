@@ -64,6 +64,7 @@ class RunGuard:
         fingerprint: dict | None = None,
         replicas=None,
         attempt_start: dict | None = None,
+        updates=None,
     ):
         """`scaler`: the engine's loss scaler, whose state each checkpoint carries (fp16).
         `faults`: the injector of an earlier attempt in this process (a rollback), already
@@ -72,8 +73,11 @@ class RunGuard:
         `fingerprint`: the stack (preflight/fingerprint.py) each checkpoint's manifest records.
         `replicas`: the run's memory replicas (checkpoint/replicas.py), or None.
         `attempt_start`: when this attempt started, pre-flighted and loaded, for its first record
-        (goodput's recovery parts)."""
+        (goodput's recovery parts). `updates()`: the updates the optimizer applied so far, which
+        each checkpoint records as `optimizer_step` (AdamW's bias correction; a skipped step is
+        not one); None: every step counted."""
         self.fingerprint, self.replicas, self.attempt_start = fingerprint, replicas, attempt_start
+        self.updates = updates
         t, c = cfg.train, cfg.checkpoint
         self.scaler = scaler
         self.cfg, self.rank, self.log = cfg, grid.global_rank, log
@@ -182,7 +186,7 @@ class RunGuard:
         if self.replicas is not None:
             record["snapshot_block_s"] = 0.0
         if not late and self.save_due(step):
-            extra = {"optimizer_step": step + 1}
+            extra = {"optimizer_step": self.updates() if self.updates is not None else step + 1}
             if self.fingerprint is not None:
                 extra["fingerprint"] = self.fingerprint
             if self.scaler is not None:

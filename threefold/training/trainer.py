@@ -308,6 +308,7 @@ class Trainer:
             fingerprint=self.fingerprint,
             replicas=self.replicas,
             attempt_start=self.attempt_start,
+            updates=lambda: self.engine.parts[0].optimizer.step_count,
         )
         self.actions.next_save = self.guard.cadence.next_storage_save  # checkpoint.interval auto
 
