@@ -99,3 +99,20 @@ def test_fixed_intervals_save_every_n_steps(tmp_path):
     cadence, _, _ = _cadence(tmp_path, interval=4)
     assert [s for s in range(12) if cadence.storage_due(s)] == [3, 7, 11]
     assert not cadence.any_auto and cadence.next_storage_save(4) == 7
+
+
+def test_auto_is_a_word_the_interval_keys_take_and_others_are_one_line():
+    import pytest
+
+    from threefold.errors import ConfigError
+    from threefold.validate import validate
+
+    cfg = build_config(None, [("checkpoint.interval", "auto"), ("checkpoint.memory_interval", "auto")])
+    assert (cfg.checkpoint.interval, cfg.checkpoint.memory_interval) == ("auto", "auto")
+    validate(cfg, 1)
+    with pytest.raises(ConfigError, match=r"checkpoint.interval: 'often' is not a valid int \(valid: a number or auto"):
+        build_config(None, [("checkpoint.interval", "often")])
+    with pytest.raises(ConfigError, match="checkpoint.memory_interval: must be >= 0 or auto"):
+        validate(build_config(None, [("checkpoint.memory_interval", "-1")]), 1)
+    with pytest.raises(ConfigError, match="checkpoint.replicas"):
+        build_config(None, [("checkpoint.replicas", "2")])
