@@ -214,7 +214,9 @@ def analyse(run: Path, faults: list[dict]) -> dict:
     per_class = {}
     for kind in CLASSES:
         mine = [f for f in failures if f["class"] == kind]
-        row = {"fired": len(fired.get(kind, ())), "failures": len(mine)}
+        # A slow drill acts on every attempt and is not recorded: it is there when scheduled.
+        count = sum(f["class"] == kind for f in faults) if kind == "slow" else len(fired.get(kind, ()))
+        row = {"fired": count, "failures": len(mine)}
         for key in ("detect_s", "restart_s", "preflight_s", "load_s", "rewarm_s", "mttr_s", "lost_steps", "regain_s"):
             row[key] = statistics.mean(f[key] for f in mine) if mine else None
         row["sources"] = sorted({f["source"] for f in mine})
