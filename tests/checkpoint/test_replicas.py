@@ -137,3 +137,18 @@ def test_the_store_lists_published_replicas_newest_first_and_wipes(tmp_path):
     assert not store.dir.exists() and store.replicas() == []
     with pytest.raises(OSError):  # a wiped store is not recreated by a late writer
         MappedState(store.slot(1, 1), whole_state(_state()))
+
+
+def test_the_store_is_the_machines_whatever_ranks_it_runs():
+    """A survivor given other ranks after a replacement node joined finds its store: named by
+    the agent and the node's index among its workers, not by the global rank."""
+    from threefold.checkpoint.replicas import store_dir
+    from threefold.config import build_config
+    from threefold.distributed.runtime import WorkerEnv
+
+    cfg = build_config(None, [("parallel.dp", "2"), ("parallel.pp", "2")])
+    before, after = WorkerEnv(0, 4, 0, 2, 0), WorkerEnv(2, 4, 0, 2, 1)  # local rank 0, global 0 then 2
+    assert store_dir(cfg, before) == store_dir(cfg, after)
+    assert store_dir(cfg, WorkerEnv(1, 4, 1, 2, 0)) == store_dir(cfg, before)  # one node per agent
+    cfg.parallel.devices_per_node = 1  # one agent's workers as two nodes
+    assert store_dir(cfg, WorkerEnv(1, 4, 1, 2, 0)) != store_dir(cfg, WorkerEnv(0, 4, 0, 2, 0))

@@ -115,6 +115,15 @@ def twins_for(cfg, layout):
     return lambda r: [r]
 
 
+def store_dir(cfg, env) -> Path:
+    """This worker's node store: the run's root, this host and agent, and the node's index among
+    the agent's workers. Never the global rank: the store belongs to the machine, and after a
+    replacement node joins the rendezvous the survivors may run other ranks."""
+    per_node = cfg.parallel.devices_per_node or env.local_world_size
+    root = run_root(os.environ.get("TORCHELASTIC_RUN_ID", ""), cfg.log.dir)
+    return node_dir(root, env.local_rank // per_node)
+
+
 def whole_state(state: list[LocalTensor]) -> list[LocalTensor]:
     """Every slice this rank holds, once each (a tied embedding's copy on the last stage may name
     a slice the first stage holds: on one rank only once)."""
@@ -155,12 +164,9 @@ class MemoryReplicas:
             return None
         collect_dead()
         per_node = cfg.parallel.devices_per_node or env.local_world_size
-        node = grid.global_rank // per_node
-        root = run_root(os.environ.get("TORCHELASTIC_RUN_ID", ""), cfg.log.dir)
         plan = plan_buddies(grid.global_rank, grid.world.size, per_node, twins_for(cfg, grid.layout), c.replicas)
-        return cls(
-            NodeStore(node_dir(root, node)), state, grid, grid.global_rank, plan, cfg.to_dict(), cfg.train.timeout_s
-        )
+        store = NodeStore(store_dir(cfg, env))
+        return cls(store, state, grid, grid.global_rank, plan, cfg.to_dict(), cfg.train.timeout_s)
 
     def _pair_groups(self, timeout_s: float) -> dict[tuple[int, int], comm.Group]:
         """One two-rank gloo group per buddy pair this rank is in, created by the pair alone (in

@@ -43,7 +43,9 @@ def run_root(run_id: str, log_dir: str) -> Path:
 
 
 def node_dir(root: Path, node: int) -> Path:
-    """Node `node`'s directory under a run root: this host, this worker's agent (its parent)."""
+    """A node's directory under a run root: this host, this worker's agent (its parent), and the
+    node's index among the agent's workers (`node`: 0 unless parallel.devices_per_node splits
+    one agent's workers into several nodes)."""
     return root / f"{socket.gethostname()}-{os.getppid()}-n{node}"
 
 
