@@ -23,6 +23,9 @@ class LocalTensor:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     write: bool
+    dp_replica: bool = False
+    """A slice every dp replica holds whole (ZeRO 0), not written here only because dp rank 0
+    writes it: a memory replica of this rank stands for dp rank 0's (checkpoint/replicas.py)."""
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -78,13 +81,10 @@ def _engine_state(engine, names: dict, grid) -> list[LocalTensor]:
             full = tuple(spec.full_shape)
             offsets[spec.dim] += spec.start
         tp_sharded = spec is not None and group == "tp"
-        write = (
-            (engine.zero >= 1 or engine.group.rank == 0)
-            and (tp_sharded or not tp_replicated or grid.tp_rank == 0)
-            and not alias
-        )
+        ours = (tp_sharded or not tp_replicated or grid.tp_rank == 0) and not alias
+        write = (engine.zero >= 1 or engine.group.rank == 0) and ours
         for kind, tensor in piece.tensors.items():
-            out.append(LocalTensor(f"{KINDS[kind]}/{name}", tensor, full, tuple(offsets), write))
+            out.append(LocalTensor(f"{KINDS[kind]}/{name}", tensor, full, tuple(offsets), write, ours and not write))
     return out
 
 

@@ -575,8 +575,11 @@ def world_handle():
     return dist.group.WORLD
 
 
-def new_group(ranks: list[int], timeout: timedelta | None = None, backend: str | None = None):
-    """A process group over `ranks` (collective over the whole job: every rank calls it)."""
+def new_group(ranks: list[int], timeout: timedelta | None = None, backend: str | None = None, local: bool = False):
+    """A process group over `ranks` (collective over the whole job: every rank calls it; with
+    `local`, only the members call it, O(1) per member whatever the world size)."""
+    if local:
+        return dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
     return dist.new_group(ranks, timeout=timeout, backend=backend)
 
 
@@ -645,12 +648,14 @@ def join(
     stale gloo keys and fail to connect. `seat`: (launcher store, rank, world) when the worker's
     rank is its seat in the round (training/seats.py) rather than torchrun's numbering. Alone
     (not launched), a one-rank group on a local store."""
-    if seat is not None:
-        store, rank, world = seat
-        store = dist.PrefixStore(f"threefold/attempt_{restart_count}", store)
-    elif launched:
-        store, rank, world = launcher_store(timeout)
-        store = dist.PrefixStore(f"threefold/attempt_{restart_count}", store)
+    if seat is not None or launched:
+        store, rank, world = seat if seat is not None else launcher_store(timeout)
+        # The agents' shared store outlives a failed attempt: a restarted group must not read its
+        # keys. Without it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) the new rank 0 hosts a fresh store
+        # each round, and agents of several nodes may count restarts differently (one restarts its
+        # workers for a failure, another for the membership change): no prefix that differs.
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") == "True":
+            store = dist.PrefixStore(f"threefold/attempt_{restart_count}", store)
     else:
         store, rank, world = dist.HashStore(), 0, 1
     kwargs = {"device_id": device} if device.type == "cuda" else {}

@@ -147,6 +147,8 @@ class MemoryProbe:
         self.state: dict[str, dict[str, float]] = {}
         self._startup: AllocationPeak | None = AllocationPeak(torch.device(device)).start()
         self.startup_peak: int | None = None
+        self.replica: dict | None = None
+        """Memory replicas: host bytes held and a snapshot's stall (checkpoint/replicas.py measure)."""
 
     @contextlib.contextmanager
     def watch(self, chunks: list[nn.Module]):
@@ -177,6 +179,7 @@ class MemoryProbe:
             "ep": grid.ep_rank,
             "measured": {**self.state["measured"], "activations": self.activations},
             "startup_peak": self.startup_peak,
+            "replica": self.replica,
             "predicted": {
                 **self.state["predicted"],
                 "activations": predicted_activation_bytes(cfg, grid, chunks, size),

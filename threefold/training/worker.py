@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -61,7 +62,9 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None, sto
         grid = Grid.build(layout, timeout=timedelta(seconds=t.startup_timeout_s), device=device, link_delays=delays)
         give_deadlines(grid, t.timeout_s, t.startup_timeout_s)
         watch = _stall_watch(cfg, grid, env)
+        preflight_started = time.time()
         preflight = _preflight(cfg, grid, device, env)
+        preflight_s = time.time() - preflight_started
         probe = None
         if measure_memory:
             from threefold.training.memory_probe import MemoryProbe
@@ -78,6 +81,7 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None, sto
             stop=stop,
             callbacks=callbacks,
             fingerprint=preflight.stack.fingerprint,
+            preflight_s=preflight_s,
         ).train()
         shutdown_distributed()
         return result
