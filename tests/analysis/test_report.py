@@ -91,9 +91,9 @@ def test_report_of_one_run_writes_text_plots_and_page(run3d, capsys):
     assert "MFU" in out and "HFU" in out and "pipeline bubble: measured" in out and "theory 20.0%" in out
     assert "exposed communication" in out and "straggler" in out and "dp gradient communication" in out
     pytest.importorskip("matplotlib")
-    for name in ("loss.png", "timeline.png", "breakdown.png", "report.html"):
+    for name in ("loss.png", "timeline.png", "breakdown.png", "goodput.png", "report.html"):  # goodput: the ledger
         assert (path / "report" / name).stat().st_size > 1000
-    assert (path / "report" / "report.html").read_text().count("data:image/png;base64") == 3
+    assert (path / "report" / "report.html").read_text().count("data:image/png;base64") == 4
 
 
 def sleep_pipeline_runs(root: str, runs: dict, m: int, forward_s: float, steps: int) -> None:
