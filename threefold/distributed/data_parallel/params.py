@@ -268,6 +268,8 @@ class ShardedParams:
     def _block_pre_forward(self, at, k: int):
         def hook(module, args) -> None:
             self.ensure(at(k))
+            if torch._C._current_graph_task_id() != -1:
+                return  # a rerun inside backward (recomputation): the blocks after it are done with
             for ahead in range(1, self.depth + 1):
                 self.prefetch(at(k + ahead))
 
