@@ -300,6 +300,8 @@ class DataParallel:
 
     def zero_grad(self) -> None:
         self.grads.zero_grad()
+        if self.zero == 3:
+            self.store.end_step()
 
     def wait_params(self) -> None:
         """ZeRO 1/2: every parameter gather still in flight done, before the parameter buffer is

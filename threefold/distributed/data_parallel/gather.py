@@ -39,6 +39,10 @@ from threefold.distributed.timer import DeviceTimer
 
 LABEL = "zero-1/2 gather"
 """The span label of a forward's wait for a bucket's gather (category dp_exposed)."""
+ZERO3_LABEL = "zero-3 gather"
+"""The span label of ZeRO 3's wait for a unit's gather (params.py)."""
+LABELS = (LABEL, ZERO3_LABEL)
+"""The parameter gathers' waits: what a traced step compares with their replay (observe/observer.py)."""
 
 
 class ParamGather:

@@ -34,6 +34,7 @@ from torch import nn
 
 from threefold.distributed import comm
 from threefold.distributed.comm import Group
+from threefold.distributed.data_parallel.gather import ZERO3_LABEL
 from threefold.distributed.data_parallel.layout import BucketLayout
 from threefold.distributed.timer import DeviceTimer
 from threefold.model.meta import adopt, deferred, initial_value
@@ -125,7 +126,8 @@ class ShardedParams:
         self.state: list = []
         self.blocks: set[int] = set()  # the block units (attach); the others are roots
         self.wanted: list[int] = []  # prefetches waiting for a block to be freed (the in-flight limit)
-        self.launched: list[int] = []  # the units gathered since the last replay (what a step gathered)
+        self.launched: list[int] = []  # the units gathered in this step so far
+        self.last_step: list[int] = []  # ... and in the last whole step (replay)
         self.held_bytes = self.peak_held = 0  # bytes of units whole or being gathered: now, and the most
         with torch.no_grad():
             for b in layout.buckets:
@@ -175,7 +177,7 @@ class ShardedParams:
         if self.state[b] is READY:
             return
         t0 = self.gather_wait.start()  # on CUDA an event pair: wait() only stalls the stream
-        with contextlib.nullcontext() if self.spans is None else self.spans.span("dp_exposed", "zero-3 gather"):
+        with contextlib.nullcontext() if self.spans is None else self.spans.span("dp_exposed", ZERO3_LABEL):
             if self.state[b] is None:
                 self._launch(b)
             if self.state[b] is not READY:
@@ -211,11 +213,15 @@ class ShardedParams:
         for b in range(len(self.full)):
             self.free(b)
 
+    def end_step(self) -> None:
+        """The step's gathers are all done (the engine's zero_grad): they become the last step's."""
+        self.last_step, self.launched = self.launched, []
+
     def replay(self, repeats: int = 5) -> float:
-        """Median seconds of the gathers launched since the last replay (a step's), run blocking,
-        back to back, on scratch buffers (collective over the group: the same units on every
-        rank); 0 when there were none. What the prefetch has to hide (observe/observer.py)."""
-        units, self.launched = self.launched, []
+        """Median seconds of the last step's gathers run blocking, back to back, on scratch
+        buffers (collective over the group: the same units on every rank); 0 when there were
+        none. What the prefetch has to hide (observe/observer.py)."""
+        units = self.last_step
         if self.group.size == 1 or not units:
             return 0.0
         buckets = [self.layout.buckets[b] for b in units]
