@@ -4,26 +4,31 @@ MFU of a ~1B model in bf16 and its step time next to a plain PyTorch loop.
     python bench/gpu.py [--json runs/gpu_bench.json] [--steps 12] [--budget-s 420]   # one CUDA GPU
     python bench/gpu.py --device cpu --tiny --json out.json      # the same plumbing on CPU (tests)
 
-Phases, in order, with their expected wall time on one H200. These are estimates from the work
-each phase does, not measurements; --budget-s skips a phase whose estimate exceeds the time left:
-  sweep        ~20 s  24 bf16 GEMMs, 8 fused causal attention problems and a 1 GiB copy, fitted to
-                      the planner's kernel knobs and written as a [cluster] profile (--profile-out;
-                      bench/kernel_sweep.py, threefold/planner/kernel_fit.py)
-  attention    ~10 s  CUDA start-up; 8 SDPA forward + backward problems (2 x 8 heads x 256 x 64 or
-                      128) and their CPU fp32 references
-  optimizer     ~5 s  5 AdamW steps on 1,000 parameters, the foreach path and the fused kernel
-                      (torch.optim's first step imports torch._dynamo: most of it)
-  training     ~25 s  5 tiny-model runs of 3 steps (CPU fp32 reference, fp32, bf16, recompute
-                      selective and full), ~10 s of it preparing the token cache once
-  compile      ~40 s  the tiny run with train.compile: inductor compiles a block's forward and
-                      backward from a cold cache
-  threefold    ~90 s  gpt-1.3b, 12 steps of 16,384 tokens (~0.3 s each at 50% MFU) after ~60 s
-                      compiling its block
-  memory       ~20 s  one eager gpt-1.3b step under `threefold memory`'s probe
-  plain       ~120 s  the plain recipe compiled whole (24 blocks traced into one graph, ~100 s),
-                      then its 12 steps
-  ~335 s in all; the default --budget-s 420 on CUDA (none on CPU) keeps one call under 8 minutes
-  with the interpreter's start and a phase that overruns its estimate.
+Phases, in order, with their expected wall time on one H200: what each took there in its first
+run (2026-12-04, torch 2.11.0+cu130; the breakdown and the longer sweep estimated from that run's
+step times), rounded up; --budget-s skips a phase whose estimate exceeds the time left.
+  sweep        ~15 s  24 bf16 GEMMs, 8 fused causal attention problems, a 1 GiB copy, fused AdamW
+                      over 2^27 elements and a tiny kernel's launch cost, fitted to the planner's
+                      kernel knobs and written as a [cluster] profile (--profile-out;
+                      bench/kernel_sweep.py, threefold/planner/kernel_fit.py)            (9.0 s)
+  attention     ~5 s  CUDA start-up; 8 SDPA forward + backward problems (2 x 8 heads x 256 x 64 or
+                      128) and their CPU fp32 references                                  (0.8 s)
+  optimizer     ~4 s  5 AdamW steps on 1,000 parameters, the foreach path and the fused kernel
+                      (torch.optim's first step imports torch._dynamo: most of it)        (3.1 s)
+  training     ~10 s  5 tiny-model runs of 3 steps (CPU fp32 reference, fp32, bf16, recompute
+                      selective and full), most of it preparing the token cache once      (5.0 s)
+  compile      ~25 s  the tiny run with train.compile: inductor compiles a block's forward and
+                      backward from a cold cache                                         (14.0 s)
+  threefold    ~30 s  gpt-1.3b, 12 steps of 16,384 tokens (~0.3 s each) after compiling its
+                      block                                                              (15.6 s)
+  memory       ~20 s  one eager gpt-1.3b step under `threefold memory`'s probe           (11.3 s)
+  plain        ~90 s  the plain recipe compiled whole (24 blocks traced into one graph), then
+                      its 12 steps                                                       (68.6 s)
+  breakdown   ~120 s  6 single-GPU configurations of 10 steps each, their kernels by class under
+                      torch.profiler next to the planner's classes (bench/gpu_breakdown.py)
+  ~320 s in all; the default --budget-s 420 on CUDA (none on CPU) keeps one call under 8 minutes
+  with the interpreter's start and a phase that overruns its estimate. --only NAME[,NAME] runs
+  those phases and lists the others as skipped.
 
 Checks (value <= tolerance passes; the tolerances and their reasoning: bench/gpu_checks.py):
   sweep fit <knob>             a fitted knob's value (no tolerance; the fit and its points are the
@@ -85,6 +90,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gpu_breakdown import breakdown, breakdown_lines  # noqa: E402
 from gpu_checks import (  # noqa: E402
     TinyRuns,
     adamw_checks,
@@ -102,6 +108,7 @@ from threefold.atomic import atomic_write  # noqa: E402
 # runs/ is git-ignored: a results file at the repository root reads as committed evidence.
 DEFAULT_JSON = "runs/gpu_bench.json"
 CUDA_BUDGET_S = 420.0
+PHASE_NAMES = ("sweep", "attention", "optimizer", "training", "compile", "threefold", "memory", "plain", "breakdown")
 
 
 @dataclass
@@ -198,16 +205,25 @@ def phases(device: str, tiny: bool, memory: int, args, cache_dir: str, doc: dict
         doc["kernel_fit"] = sweep(device, doc["device"], Path(args.profile_out), emit)
         perf.profile = doc["kernel_fit"]["profile"]
 
-    return [
-        Phase("sweep", 20, fit_kernels),
-        Phase("attention", 10, lambda emit: attention_checks(device, emit)),
-        Phase("optimizer", 5, lambda emit: adamw_checks(device, emit)),
-        Phase("training", 25, lambda emit: training_checks(runs, emit)),
-        Phase("compile", 40, lambda emit: compile_check(runs, emit)),
-        Phase("threefold", 90, perf.threefold, no_perf),
+    def split(emit) -> None:
+        profile = doc["kernel_fit"]["profile"] if "kernel_fit" in doc else ""
+        doc["breakdown"] = breakdown(device, cache_dir, profile, emit)
+
+    plan = [
+        Phase("sweep", 15, fit_kernels),
+        Phase("attention", 5, lambda emit: attention_checks(device, emit)),
+        Phase("optimizer", 4, lambda emit: adamw_checks(device, emit)),
+        Phase("training", 10, lambda emit: training_checks(runs, emit)),
+        Phase("compile", 25, lambda emit: compile_check(runs, emit)),
+        Phase("threefold", 30, perf.threefold, no_perf),
         Phase("memory", 20, perf.memory, no_perf),
-        Phase("plain", 120, perf.plain, no_perf),
-    ], perf.perf
+        Phase("plain", 90, perf.plain, no_perf),
+        Phase("breakdown", 120, split, no_perf),
+    ]
+    for phase in plan:
+        if args.only and phase.name not in args.only:
+            phase.skip = phase.skip or "not in --only"
+    return plan, perf.perf
 
 
 def check_line(c: dict) -> str:
@@ -280,10 +296,10 @@ def perf_lines(perf: dict) -> list[str]:
     return lines
 
 
-def table(checks: list[dict], perf: dict | None) -> str:
+def table(checks: list[dict], perf: dict | None, split: list[dict] = ()) -> str:
     lines = ["| check | value | tolerance | result |", "|---|---|---|---|"]
     lines += [check_line(c) for c in checks]
-    return "\n".join(lines + perf_lines(perf or {}))
+    return "\n".join(lines + perf_lines(perf or {}) + breakdown_lines(list(split)))
 
 
 def bad_input(args, torch) -> str:
@@ -299,6 +315,9 @@ def bad_input(args, torch) -> str:
         return f"--steps must be >= 1, got {args.steps}"
     if args.budget_s is not None and not args.budget_s >= 0:
         return f"--budget-s must be >= 0 seconds, got {args.budget_s:g}"
+    unknown = [name for name in args.only if name not in PHASE_NAMES]
+    if unknown:
+        return f"--only: no phase {', '.join(unknown)} (phases: {', '.join(PHASE_NAMES)})"
     return ""
 
 
@@ -313,6 +332,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--profile-out",
         help="where the sweep writes its fitted [cluster] profile (default: beside the JSON, <json stem>_profile.toml)",
+    )
+    ap.add_argument(
+        "--only",
+        type=lambda text: [name for name in text.split(",") if name],
+        default=[],
+        help=f"run only these phases, comma-separated ({', '.join(PHASE_NAMES)})",
     )
     ap.add_argument(
         "--budget-s",
@@ -347,7 +372,7 @@ def main(argv=None) -> int:
             return err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 130
     doc = bench.doc
     print(f"\n{name}, torch {torch.__version__}, {doc['seconds']:.0f} s; results in {out}\n")
-    print(table(doc["checks"], doc["performance"]))
+    print(table(doc["checks"], doc["performance"], doc.get("breakdown", [])))
     if bench.skipped:
         print(f"\nskipped phases: {', '.join(bench.skipped)} (their SKIP rows say why)")
     return 0 if doc["all_ok"] else 1

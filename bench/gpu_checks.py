@@ -299,11 +299,11 @@ def make_cfg(overrides: dict, device: str, dtype: str, steps: int, log_dir: str,
 
 
 def train_metrics(
-    overrides: dict, device: str, dtype: str, steps: int, cache_dir: str, log_dir: str = "", **extra
+    overrides: dict, device: str, dtype: str, steps: int, cache_dir: str, log_dir: str = "", callbacks=None, **extra
 ) -> list[dict]:
     """threefold's own training worker, in this process (world of 1), logging into `log_dir` (a
-    temporary one unless given). The worker sets the process's intra-op threads on CPU
-    (train.threads); they are restored after it, and its process group is left even when it
+    temporary one unless given), with the library's `callbacks`. The worker sets the process's
+    intra-op threads on CPU (train.threads); they are restored after it, and its process group is left even when it
     fails, so the next run can join one."""
     import torch
 
@@ -314,7 +314,8 @@ def train_metrics(
     try:
         with tempfile.TemporaryDirectory() as scratch:
             logs = log_dir or scratch
-            run_worker(make_cfg(overrides, device, dtype, steps, logs, cache_dir, **extra).to_dict())
+            cfg = make_cfg(overrides, device, dtype, steps, logs, cache_dir, **extra)
+            run_worker(cfg.to_dict(), callbacks=callbacks)
             return [json.loads(line) for line in (Path(logs) / "metrics.jsonl").read_text().splitlines()]
     finally:
         shutdown_distributed()

@@ -109,5 +109,35 @@ def slow_phases(cfg_dict: dict, first_step_s: float, save_s: float):
     return run_worker(cfg_dict)
 
 
+class StopHere(Exception):
+    """Raised by a step-end callback: the job ends as a failed one does (nothing cleaned up)."""
+
+
+def train_then_stop(cfg_dict: dict, steps: int):
+    """One rank of a harness run that trains `steps` steps and then fails on every rank at once,
+    leaving its memory replicas in shared memory as a crashed job would (tests of a restart that
+    finds them). The snapshot in flight is let finish first."""
+    import torch
+
+    from threefold.config import Config
+    from threefold.distributed.grid import Grid
+    from threefold.distributed.runtime import init_distributed, layout_of, shutdown_distributed
+    from threefold.training.callbacks import Callbacks
+    from threefold.training.trainer import Trainer
+
+    def stop(step, _trainer):
+        if step == steps:
+            raise StopHere
+
+    cfg = Config.from_dict(cfg_dict)
+    init_distributed(torch.device("cpu"), timeout_s=120)
+    trainer = Trainer(cfg, Grid.build(layout_of(cfg)), torch.device("cpu"), callbacks=Callbacks(on_step_end=stop))
+    try:
+        trainer.train()
+    except StopHere:
+        trainer.replicas.wait()
+    shutdown_distributed()
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -219,6 +219,67 @@ def run_training_many(runs: dict[str, dict], root, cache_dir: str, world: int, t
     }
 
 
+class Agents:
+    """torchrun agents on localhost, each a "node" of `nproc` processes, all joining one c10d
+    rendezvous whose store is hosted here (as a dedicated host would: it must outlive any node
+    that dies), each running `args` (e.g. ["-m", "threefold", "train", ...]). An agent's output
+    goes to a file (a pipe left unread would stall it). `extra`: more torchrun options."""
+
+    def __init__(self, args: list[str], nnodes: str, rdzv_conf: str = "is_host=false", extra=(), nproc: int = 1):
+        import sys
+        import tempfile
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        port = free_port()
+        self.store = TCPStore(
+            "127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
+        self.argv = ["--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d"]
+        self.argv += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "agents", "--rdzv-conf", rdzv_conf]
+        self.argv += ["--monitor-interval", "0.5", *extra, *args]
+        self.python = sys.executable
+        self.dir = tempfile.mkdtemp(prefix="agents-")
+        self.procs: list = []
+
+    def start(self, env: dict, gate: str | None = None):
+        """One more agent with environment `env`. `gate`: a path the agent waits for, torchrun
+        already imported, before it joins (a node that returns at a moment the test picks)."""
+        import subprocess
+
+        wait = f"import os, time\nwhile not os.path.exists({gate!r}): time.sleep(0.05)\n" if gate else ""
+        code = f"from torch.distributed import run\n{wait}run.main({self.argv!r})\n"
+        out = open(os.path.join(self.dir, f"agent_{len(self.procs)}.out"), "w")
+        proc = subprocess.Popen([self.python, "-c", code], env=env, stdout=out, stderr=subprocess.STDOUT)
+        out.close()
+        self.procs.append(proc)
+        return proc
+
+    def output(self, k: int) -> str:
+        with open(os.path.join(self.dir, f"agent_{k}.out")) as f:
+            return f.read()
+
+    def wait(self, timeout: float) -> tuple[list[int], list[str]]:
+        """Every agent's exit code and output, once all have exited (killed at `timeout`)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in self.procs:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        finally:
+            self.close()
+        return [p.returncode for p in self.procs], [self.output(k) for k in range(len(self.procs))]
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self.store = None  # the rendezvous host goes last
+
+
 def run_agents(
     envs: list[dict], args: list[str], nnodes: str, rdzv_conf: str = "is_host=false", extra=(), timeout: float = 180.0
 ) -> tuple[list[int], list[str]]:
@@ -226,25 +287,7 @@ def run_agents(
     joining one c10d rendezvous whose store is hosted here (as a dedicated host would: it must
     outlive any node that dies), running `args` (e.g. ["-m", "threefold", "train", ...]).
     `extra`: more torchrun options (--max-restarts ...). Returns (exit codes, combined output)."""
-    import subprocess
-    import sys
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    port = free_port()
-    store = TCPStore(
-        "127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1"]
-    launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "agents"]
-    launcher += ["--rdzv-conf", rdzv_conf, "--monitor-interval", "0.5", *extra]
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    procs = [subprocess.Popen(launcher + list(args), env=env, **pipes) for env in envs]
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-        del store  # the rendezvous host goes last
-    return [p.returncode for p in procs], outs
+    agents = Agents(args, nnodes, rdzv_conf, extra)
+    for env in envs:
+        agents.start(env)
+    return agents.wait(timeout)

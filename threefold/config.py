@@ -19,10 +19,11 @@ from threefold.errors import ConfigError
 from threefold.presets import PRESET_TRAIN, PRESETS
 
 
-def knob(default: Any, doc: str, choices: tuple | None = None, key: str | None = None) -> Any:
+def knob(default: Any, doc: str, choices: tuple | None = None, key: str | None = None, words: tuple = ()) -> Any:
     """A config field with its one-line doc (and optional allowed values). `key` is the name
-    in TOML and on the command line when the field's own name cannot be it (a Python keyword)."""
-    return field(default=default, metadata={"doc": doc, "choices": choices, "key": key})
+    in TOML and on the command line when the field's own name cannot be it (a Python keyword).
+    `words`: strings a number field also takes (checkpoint.interval auto)."""
+    return field(default=default, metadata={"doc": doc, "choices": choices, "key": key, "words": words})
 
 
 @dataclass
@@ -85,6 +86,12 @@ class ParallelConfig:
         "tp-cp-ep-dp-pp", "Rank order, fastest-varying first (tp first keeps TP groups on neighbouring ranks)"
     )
     devices_per_node: int = knob(0, "Devices per node for placement checks (0 = local world size)")
+    hostfile: str = knob(
+        "",
+        "Under torchrun: a new job seats its nodes in this file's order, one host per line, or the hosts "
+        "then spares of threefold plan --placement-out JSON ('' = the rendezvous' order; nodes beyond the "
+        "layout's wait as spares)",
+    )
     allow_tp_across_nodes: bool = knob(False, "Permit a tensor-parallel group to span nodes")
     bucket_mb: float = knob(25.0, "Gradient bucket size in MiB for data-parallel reduction (ZeRO 3 reduces per block)")
     overlap_param_gather: bool = knob(
@@ -227,7 +234,26 @@ class CheckpointConfig:
     """Saving and resuming."""
 
     dir: str = knob("auto", "Checkpoint directory ('auto' = <log.dir>/checkpoints, none without a log.dir; '' = none)")
-    interval: int = knob(0, "Save every N steps (0 = only at the end when dir is set)")
+    interval: int = knob(
+        0,
+        "Save to dir every N steps (0 = only at the end when dir is set; auto = Young's interval from the run's "
+        "measured save stall, restart cost and failures, re-chosen as they move)",
+        words=("auto",),
+    )
+    memory_interval: int = knob(
+        0,
+        "Snapshot every rank's state into host RAM (shared memory that outlives a restarted worker) every N "
+        "steps; a restart loads it and reads dir only when every copy is gone (0 = off; auto = Young's interval)",
+        words=("auto",),
+    )
+    replicas: int = knob(
+        1, "Copies of each memory snapshot kept on another node (over torch.distributed): survives a lost node", (0, 1)
+    )
+    mtbf_h: float = knob(
+        0.0,
+        "Prior hours between failures of the whole job for interval auto, updated by the run's own failures "
+        "(0 = 50,000 device-hours / devices, the planner's default)",
+    )
     resume: str = knob("", "'' = start fresh, 'auto' = newest verified checkpoint in dir (if any), or a path")
     keep: int = knob(3, "Keep the newest N checkpoints (0 = all); the newest verified one is never deleted")
     async_save: bool = knob(
@@ -372,6 +398,8 @@ def _did_you_mean(word: str, options: list[str]) -> str:
 def _coerce(key: str, f: dataclasses.Field, raw: Any) -> Any:
     """Convert a TOML or command-line value to the field's type, with a one-line error."""
     kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
+    if isinstance(raw, str) and raw in f.metadata.get("words", ()):
+        return raw
     try:
         if kind is bool:
             if isinstance(raw, bool):
@@ -391,7 +419,9 @@ def _coerce(key: str, f: dataclasses.Field, raw: Any) -> Any:
         else:
             value = str(raw)
     except (TypeError, ValueError):
-        raise ConfigError(key, f"{raw!r} is not a valid {kind.__name__}") from None
+        words = f.metadata.get("words", ())
+        hint = f"valid: a number or {', '.join(words)}" if words else ""
+        raise ConfigError(key, f"{raw!r} is not a valid {kind.__name__}", hint) from None
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(key, f"{value!r} is not allowed", "valid: " + ", ".join(map(str, choices)))

@@ -223,6 +223,12 @@ def _checkpoint_keys(cfg: Config) -> None:
         raise ConfigError("checkpoint.async", "true needs checkpoint.dir", "set --checkpoint.dir DIR")
     if c.keep < 0:
         raise ConfigError("checkpoint.keep", f"must be >= 0, got {c.keep}")
+    for key in ("interval", "memory_interval"):
+        value = getattr(c, key)
+        if value != "auto" and value < 0:
+            raise ConfigError(f"checkpoint.{key}", f"must be >= 0 or auto, got {value}")
+    if c.mtbf_h < 0:
+        raise ConfigError("checkpoint.mtbf_h", f"must be >= 0 (0 = the planner's default), got {c.mtbf_h}")
 
 
 def validate_train(cfg: Config) -> None:
@@ -318,8 +324,6 @@ def validate_train(cfg: Config) -> None:
     if cfg.log.interval <= 0:
         raise ConfigError("log.interval", f"must be > 0, got {cfg.log.interval}")
     validate_log(cfg)
-    if cfg.checkpoint.interval < 0:
-        raise ConfigError("checkpoint.interval", f"must be >= 0, got {cfg.checkpoint.interval}")
 
 
 def _validate_compile(cfg: Config) -> None:

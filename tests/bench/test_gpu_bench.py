@@ -37,8 +37,12 @@ CPU_KEYS = {
     "perf_memory",
     "perf_plain",
     *(f"sweep.{k}" for k in ("gemm_half_dim", "peak_tflops", "compute_efficiency", "elementwise_bw_gbps")),
+    "sweep.mem_bw_gbps",
+    "sweep.reduction_bw_gbps",
+    "breakdown",
 }
-PHASES = ["sweep", "attention", "optimizer", "training", "compile", "threefold", "memory", "plain"]
+PHASES = ["sweep", "attention", "optimizer", "training", "compile", "threefold", "memory", "plain", "breakdown"]
+NOT_BREAKDOWN = ",".join(PHASES[:-1])  # the breakdown's own runs are a test of their own
 
 
 def bench_env() -> dict:
@@ -56,7 +60,9 @@ def run_bench(out: Path, capsys, monkeypatch, *args: str, fail: str = "") -> tup
 def test_forced_failure_is_one_row_and_every_other_row_is_written(tmp_path, capsys, monkeypatch):
     # The compiled and performance checks are forced too: each is the slow part of its phase on CPU.
     out = tmp_path / "out.json"
-    rc, printed = run_bench(out, capsys, monkeypatch, fail="adamw,train_compile,perf_threefold,perf_plain")
+    rc, printed = run_bench(
+        out, capsys, monkeypatch, "--only", NOT_BREAKDOWN, fail="adamw,train_compile,perf_threefold,perf_plain"
+    )
     assert rc == 1
     doc = json.loads(out.read_text())
     rows = {r["key"]: r for r in doc["checks"]}
@@ -65,13 +71,15 @@ def test_forced_failure_is_one_row_and_every_other_row_is_written(tmp_path, caps
     assert rows["adamw"]["ok"] is False and rows["adamw"]["note"] == note  # the first line only
     forced = {"adamw", "train_compile", "perf_threefold", "perf_plain"}
     assert {k for k, r in rows.items() if not r["ok"]} == forced
-    for key in CPU_KEYS - forced:  # the rest measured, in the same phase and the phases after
+    for key in CPU_KEYS - forced - {"breakdown"}:  # the rest measured, in the same phase and the phases after
         assert rows[key]["value"] is not None or rows[key]["note"] == "not served", rows[key]
+    assert rows["breakdown"]["note"] == "skipped: not in --only"
     assert rows["adamw_fused"]["phase"] == "optimizer" and rows["adamw_fused"]["value"] < 1e-6
     assert doc["performance"]["memory"]["train_peak_bytes"] is None  # threefold's run failed; memory ran
     assert [p["name"] for p in doc["phases"]] == PHASES
-    assert [p["status"] for p in doc["phases"]] == ["ok", "ok", "fail", "ok", "fail", "fail", "ok", "fail"]
-    assert all(p["wall_s"] >= 0 for p in doc["phases"]) and doc["finished"] and not doc["all_ok"]
+    assert [p["status"] for p in doc["phases"]] == ["ok", "ok", "fail", "ok", "fail", "fail", "ok", "fail", "skip"]
+    ran = [p for p in doc["phases"] if p["status"] != "skip"]
+    assert all(p["wall_s"] >= 0 for p in ran) and doc["finished"] and not doc["all_ok"]
     assert f"| adamw foreach (engine arithmetic) | {note} | 2.4e-06 | FAIL |" in printed
     # The sweep's fit is a profile the planner takes, with the fitted knobs.
     from threefold.planner import build_cluster
@@ -111,22 +119,22 @@ def test_json_survives_a_kill_between_phases(tmp_path):
 
 
 def test_budget_skips_what_would_not_finish_and_says_so(tmp_path, capsys, monkeypatch):
-    # Every phase's H200 estimate but the optimizer's (5 s) exceeds an 8 s budget.
+    # Every phase's H200 estimate but the optimizer's (4 s) exceeds a 4.5 s budget.
     out = tmp_path / "out.json"
-    rc, printed = run_bench(out, capsys, monkeypatch, "--budget-s", "8")
+    rc, printed = run_bench(out, capsys, monkeypatch, "--budget-s", "4.5")
     assert rc == 0
     doc = json.loads(out.read_text())
     status = {p["name"]: p["status"] for p in doc["phases"]}
     assert status == {**{name: "skip" for name in PHASES}, "optimizer": "ok"}
     skips = [r for r in doc["checks"] if r.get("skipped")]
     assert [r["key"] for r in skips] == [name for name in PHASES if name != "optimizer"]
-    assert re.fullmatch(r"skipped: expected ~20 s on an H200, [78] s of --budget-s 8 left", skips[0]["note"])
-    assert re.fullmatch(r"skipped: expected ~10 s on an H200, [78] s of --budget-s 8 left", skips[1]["note"])
-    assert skips[2]["note"].startswith("skipped: expected ~25 s on an H200, ")
+    assert re.fullmatch(r"skipped: expected ~15 s on an H200, [34] s of --budget-s 4.5 left", skips[0]["note"])
+    assert re.fullmatch(r"skipped: expected ~5 s on an H200, [34] s of --budget-s 4.5 left", skips[1]["note"])
+    assert skips[2]["note"].startswith("skipped: expected ~10 s on an H200, ")
     assert [r["key"] for r in doc["checks"] if not r.get("skipped")] == ["adamw", "adamw_fused"]
-    assert doc["budget_s"] == 8 and doc["finished"] and doc["all_ok"]
-    assert "| attention phase | skipped: expected ~10 s on an H200" in printed
-    assert "skipped phases: sweep, attention, training, compile, threefold, memory, plain" in printed
+    assert doc["budget_s"] == 4.5 and doc["finished"] and doc["all_ok"]
+    assert "| attention phase | skipped: expected ~5 s on an H200" in printed
+    assert "skipped phases: sweep, attention, training, compile, threefold, memory, plain, breakdown" in printed
 
 
 def test_phases_are_isolated_and_the_budget_counts_time_spent(tmp_path):
@@ -357,3 +365,56 @@ def test_gpu_script_without_cuda_exits_with_one_line(capsys):
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and "no CUDA device" in err
     assert gpu.main(["--device", "cpu"]) == 2 and "needs --tiny" in capsys.readouterr().err
+
+
+class _Kernel:
+    """A profiler event as kineto gives it: name() and duration_ns()."""
+
+    def __init__(self, name: str, ns: int):
+        self._name, self._ns = name, ns
+
+    def name(self) -> str:
+        return self._name
+
+    def duration_ns(self) -> int:
+        return self._ns
+
+
+def test_kernels_are_classed_by_name_as_shares_of_the_window():
+    import gpu_breakdown
+
+    events = [
+        _Kernel("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT", 40_000_000),
+        _Kernel("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", 10_000_000),
+        _Kernel("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>", 5_000_000),
+        _Kernel("triton_poi_fused_gelu_gelu_backward_view_0", 20_000_000),
+        _Kernel("Memcpy HtoD (Pageable -> Device)", 1_000_000),
+        _Kernel("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT", 4_000_000),
+    ]
+    classes, top = gpu_breakdown.classify(events, window_s=0.1)
+    assert classes == pytest.approx(
+        {"kernels": 60.0, "gemm": 0.44, "attention": 0.1, "optimizer": 0.05, "elementwise": 0.2, "memcpy": 0.01}
+    )
+    assert top[0][:2] == ("gemm", "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT")
+    assert top[0][2:] == pytest.approx((0.44, 20.0))  # its share, and 2 launches in 0.1 s
+
+
+def test_the_breakdown_runs_a_configuration_and_prices_it(tmp_path):
+    # On CPU there are no device kernels to class: the step, the optimizer span and the
+    # planner's classes are what the row holds, and the table says so.
+    import gpu_breakdown
+
+    row = gpu_breakdown.one_config("tiny", gpu_checks.TINY, "cpu", str(tmp_path / "cache"), "")
+    assert row["step_s"] > 0 and row["optimizer_span_s"] > 0 and row["kernels"] == {}
+    pred = row["predicted"]
+    assert set(pred) == {"gemm", "attention", "elementwise", "optimizer", "overhead", "step"}
+    assert all(v >= 0 for v in pred.values()) and pred["step"] >= sum(v for k, v in pred.items() if k != "step")
+    lines = gpu_breakdown.breakdown_lines([row])
+    assert any(line.startswith("| tiny | step | ") for line in lines)
+    assert "| tiny | gemm | - |" in "\n".join(lines)  # nothing measured on cpu, nothing compared
+
+
+def test_only_names_phases_that_exist(capsys):
+    assert gpu.main(["--device", "cpu", "--tiny", "--only", "sweep,nonsense"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "bench/gpu.py: error: --only: no phase nonsense (phases: " + ", ".join(PHASES) + ")"

@@ -162,6 +162,7 @@ def test_pipeline_on_shared_cores_is_bounded_by_critical_path_and_total_work():
             core_share_exponent=exponent,
             gemm_half_dim=0.0,  # FLOPs at the efficiency alone: no small-GEMM or element-wise time
             elementwise_bw_gbps=1e12,
+            reduction_bw_gbps=1e12,
         )
         t = step_terms(shape, cluster, lay, B, "fp32").categories
         return {c: seconds(t[c], cluster) for c in ("compute", "recompute", "overhead", "bubble")}

@@ -11,9 +11,12 @@ import pytest
 
 from threefold.planner import build_cluster
 from threefold.planner.kernel_fit import (
+    AdamPoint,
     AttentionPoint,
     CopyPoint,
     GemmPoint,
+    HostPoint,
+    ReductionPoint,
     attention_flops_fwd_bwd,
     fit_kernels,
 )
@@ -44,7 +47,11 @@ def _points(base):
         t = attention_flops_fwd_bwd(p) * attention_factor(cfg, true) / rate * _noise(i + 50)
         attention.append(dataclasses.replace(p, seconds=t))
     copies = [CopyPoint(2e9, 2e9 / 4.1e12 * _noise(i + 99)) for i in range(3)]
-    return gemms, attention, copies
+    adam = [AdamPoint(1 << 27, 28 * (1 << 27) / 3.3e12 * _noise(i + 7)) for i in range(2)]
+    kinds = ("norm", "bias_grad", "accumulate", "loss")
+    reductions = [ReductionPoint(kind, 4e8, 4e8 / 2.6e12 * _noise(i + 20)) for i, kind in enumerate(kinds)]
+    host = [HostPoint(2, 6, 0.008, 0.008 + 4 * 2.5e-3)]
+    return gemms, attention, copies, adam, reductions, host
 
 
 def test_a_sweep_recovers_the_knobs_that_made_it():
@@ -55,14 +62,24 @@ def test_a_sweep_recovers_the_knobs_that_made_it():
     assert knobs["compute_efficiency"] == pytest.approx(TRUE["compute_efficiency"], rel=0.02)
     assert knobs["attention_efficiency"] == pytest.approx(TRUE["attention_efficiency"], rel=0.02)
     assert knobs["elementwise_bw_gbps"] == pytest.approx(4100, rel=0.02)
+    assert knobs["mem_bw_gbps"] == pytest.approx(3300, rel=0.02)  # fused AdamW's 28 bytes an element
+    assert knobs["reduction_bw_gbps"] == pytest.approx(2600, rel=0.02)
+    assert knobs["layer_overhead_us"] == pytest.approx(2500)  # 10 ms more for 4 more layers
     assert knobs["peak_tflops"] == base.peak_tflops
     assert all(0 < sigma < 0.02 for sigma in fit.log_sigma.values()), fit.log_sigma
-    assert fit.points == {"gemm": len(SHAPES), "attention": len(PROBLEMS), "copy": 3}
+    assert fit.points == {
+        "gemm": len(SHAPES),
+        "attention": len(PROBLEMS),
+        "copy": 3,
+        "adam": 2,
+        "reduction": 4,
+        "host": 1,
+    }
 
 
 def test_gemms_faster_than_the_peak_raise_it_and_a_missing_kind_keeps_the_profile():
     base = build_cluster({"device": "h200"})
-    gemms, _, _ = _points(base)
+    gemms = _points(base)[0]
     fast = [dataclasses.replace(g, seconds=g.seconds * 0.5) for g in gemms]  # 1.48 of peak
     fit = fit_kernels(base, fast, [], [])
     assert fit.knobs["compute_efficiency"] == 1.0

@@ -171,12 +171,14 @@ def test_one_trillion_parameters_on_16384_gpus_plans_in_under_10_seconds():
     assert best.fits and best.layout.world == 16384
     assert best.layout.tp == 8  # TP fills the NVLink domain for a model this wide
     # What docs/planner.md quotes (the cost model is deterministic).
+    # Micro-batches of 2 and ZeRO-2: each micro-batch's gradients are added into the fp32 buffers
+    # (per parameter), and ZeRO-2 zeroes only its own slice of them.
     assert best.layout.spec() == (
-        "tp=8,pp=16,dp=128,vpp=8,mbs=1,schedule=interleaved,zero=1,sp=true,recompute=selective,ep=1"
+        "tp=8,pp=16,dp=128,vpp=8,mbs=2,schedule=interleaved,zero=2,sp=true,recompute=selective,ep=1"
     )
     assert best.mfu == pytest.approx(
-        0.555, abs=0.005
-    )  # fp32 gradients; GEMM shapes, fused attention, modelled overlap and its slowdown
+        0.478, abs=0.005
+    )  # fp32 gradients; GEMM shapes, fused attention, modelled overlap and its slowdown; threefold's kernels
     assert plan.considered > 2000
 
 
@@ -275,7 +277,9 @@ def test_small_gemms_and_elementwise_work_make_throughput_depend_on_shape():
         return pred.times["compute"] / (pred.microbatches * mbs)
 
     shaped = build_cluster({"device": "h100"})
-    flat = build_cluster({"device": "h100", "gemm_half_dim": 0, "sm_count": 0, "elementwise_bw_gbps": 1e12})
+    flat = build_cluster(
+        {"device": "h100", "gemm_half_dim": 0, "sm_count": 0, "elementwise_bw_gbps": 1e12, "reduction_bw_gbps": 1e12}
+    )
     assert per_token_compute(shaped, 1) > 1.05 * per_token_compute(shaped, 8)
     assert per_token_compute(flat, 1) == pytest.approx(per_token_compute(flat, 8))
 

@@ -27,10 +27,10 @@ def _shape(preset="llama-7b", seq=16384, **model):
 
 
 def _cluster(**keys):
-    # FLOPs at the GEMM rate alone: no shape factors (waves, fused attention) that differ with tokens per rank.
-    return build_cluster(
-        [("device", "h100"), ("gemm_half_dim", 0.0), ("sm_count", 0), ("attention_efficiency", 0.0), *keys.items()]
-    )
+    # FLOPs at the GEMM rate alone: no shape factors (waves, fused attention) that differ with tokens per rank,
+    # and no gradient accumulation pass (its bytes go with the parameters, not the tokens).
+    fixed = [("device", "h100"), ("gemm_half_dim", 0.0), ("sm_count", 0), ("attention_efficiency", 0.0)]
+    return build_cluster([*fixed, ("grad_accumulation", "fused"), *keys.items()])
 
 
 def test_compute_per_rank_is_one_cp_th():

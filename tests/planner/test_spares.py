@@ -4,6 +4,7 @@ to check by hand."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -59,11 +60,76 @@ def test_plan_prints_the_trade_off_and_refuses_bad_spares(capsys):
     args = ["--model.preset", "llama-7b", "--cluster.device", "h100", "--cluster.nodes", "12"]
     args += ["--train.global_batch", "240", "--parallel.tp", "8", "--parallel.pp", "1"]
     args += ["--faults.device_mtbf_h", "200", "--faults.reschedule_s", "7200", "--faults.node_repair_h", "4"]
-    code, out, err = plan_cli(capsys, *args, "--spares", "auto")
+    code, out, err = plan_cli(capsys, *args, "--spares", "auto", "--batch-within", "0")
     assert code == 0, err
     assert "spares: use 10 nodes, 2 spares: expected " in out and "  instead: use 12 nodes, 0 spares" in out
     assert "no layout of the model and batch on the nodes 1 other counts leave: [1]" in out
+    # Within 5% of the batch (the default) the 11 nodes train 242 sequences (dp 11 x 22).
+    code, out, err = plan_cli(capsys, *args, "--spares", "auto")
+    assert code == 0 and "spares: use 10 nodes, 2 spares: expected " in out, err
+    assert "  instead: use 11 nodes, 1 spares, global batch 242 (asked 240): expected " in out
     code, _, err = plan_cli(capsys, *args, "--spares", "12")
     assert code != 0 and "--spares" in err and "below 12 nodes" in err
     code, _, err = plan_cli(capsys, *args, "--spares", "auto", "--layout", "tp=8,dp=12,mbs=1")
     assert code != 0 and "drop --layout" in err
+
+
+TOPOLOGY = ["[topology]", "gpus_per_node = 8", "nvlink_gbps = 370", "leaf_gbps = 48", "spine_gbps = 24"]
+
+
+def test_the_batch_is_chosen_with_the_nodes(tmp_path, capsys):
+    """11 healthy nodes of 12 (one drained), tp 8 x pp 1 pinned, batch 224, GPUs that do not fail
+    (spares buy nothing). By hand: dp 11 splits no batch of 224; the nearest within 5% that dp 11
+    splits are 220 (4 away) and 231 (7 away); 10 nodes (dp 10) take 220 too (225 needs dp 5, 230
+    is 6 away), 9 nodes 225 (216 is 8 away). All 11 nodes at 220 have the most tokens/s x goodput. Without
+    --spares the 11 nodes fail the search in one line naming the batch that would split and
+    --spares auto."""
+    from threefold.planner.spares import batch_tiers
+
+    assert batch_tiers(224, 88, 0.05) == [[224], [220], [231]]
+    assert batch_tiers(224, 80, 0.05) == [[224], [225], [220], [230]]  # 225: dp 5 (no layout at tp 8, pp 1)
+    assert batch_tiers(224, 72, 0.05)[:2] == [[224], [225]]
+    lines = TOPOLOGY + ['drain = ["n11"]'] + [f'[[node]]\nname = "n{i:02d}"\nleaf = "leaf{i % 3}"' for i in range(12)]
+    (tmp_path / "topo.toml").write_text("\n".join(lines) + "\n")
+    args = ["--model.preset", "llama-7b", "--cluster.device", "h100", "--train.global_batch", "224"]
+    args += ["--parallel.tp", "8", "--parallel.pp", "1", "--topology", str(tmp_path / "topo.toml")]
+    args += ["--faults.device_mtbf_h", "1e7"]
+    code, out, err = plan_cli(capsys, *args, "--spares", "auto", "--emit-config", str(tmp_path / "run.toml"))
+    assert code == 0, err
+    chosen = next(line for line in out.splitlines() if line.startswith("spares: "))
+    assert chosen.startswith("spares: use 11 nodes, 0 spares, global batch 220 (asked 224): expected "), chosen
+    assert "global_batch = 220" in (tmp_path / "run.toml").read_text()
+    # The same options computed directly: each count's nearest batch, and the rates they give.
+    cluster = build_cluster({"device": "h100", "nodes": 11, "inter_bw_gbps": 48, "intra_bw_gbps": 370})
+    options = spare_options(SHAPE, cluster, 224, "bf16", Faults(device_mtbf_h=1e7), [0, 1, 2], {"tp": 8, "pp": 1}, 0.05)
+    assert [(o.nodes, o.batch) for o in options] == [(11, 220), (10, 220), (9, 225)]
+    assert best_option(options) is options[0] and options[0].rate > 1.1 * max(o.rate for o in options[1:])
+    assert f"= {options[0].rate:,.0f} tokens/s" in chosen
+    code, out, err = plan_cli(capsys, *args)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "no layout of llama-7b on 11 x 8 h100 is possible" in err and "dp=11" in err
+    assert "a global batch of 220 splits over the 11 nodes; or --spares auto leaves nodes out as spares" in err
+
+
+def test_with_a_topology_each_count_weighs_the_layouts_it_places(tmp_path, capsys):
+    """37 nodes (prime): within 5% of 256 they train 259 sequences at dp 37 or 259, and blocks
+    of tp 2 or 4 would then not fill whole 8-GPU nodes. Each spare count weighs only layouts the
+    topology places, so the plan places its choice instead of failing on it; the rest are listed
+    as rejected for placement."""
+    lines = TOPOLOGY + [f'[[node]]\nname = "n{i:02d}"\nleaf = "leaf{i % 3}"' for i in range(37)]
+    (tmp_path / "topo.toml").write_text("\n".join(lines) + "\n")
+    args = ["--model.preset", "llama-7b", "--cluster.device", "h100", "--train.global_batch", "256"]
+    args += ["--topology", str(tmp_path / "topo.toml"), "--spares", "auto", "--json"]
+    code, out, err = plan_cli(capsys, *args)
+    assert code == 0, err
+    doc = json.loads(out)
+    first = doc["layouts"][0]
+    assert doc["placement"]["hosts"] and doc["placement"]["layout"].startswith(
+        f"tp={first['tp']},pp={first['pp']},dp={first['dp']},"
+    )
+    code, out, err = plan_cli(capsys, *args[:-3], "--spares", "0", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert "37 nodes, 0 spares, global batch 259" in doc["spares"][0]
+    assert "tp=8" in doc["placement"]["layout"]  # dp 37 places only with tp filling the node
+    assert any(r["kind"] == "placement" for r in doc["rejected"]), doc["rejected"]

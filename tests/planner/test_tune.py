@@ -113,11 +113,11 @@ def _tune(tmp_path, runner, trials=0, cache="none", out="tune"):
 
 def test_the_loop_finds_the_best_of_a_landscape_the_planner_misranks_within_a_quarter(tmp_path):
     runner = FakeRunner()
-    cfg, space, result = _tune(tmp_path, runner)
+    cfg, space, result = _tune(tmp_path, runner, trials=9)  # a quarter of the 35 candidates, rounded up
     best = max(space.candidates, key=_truth)
     assert result.best.name == best.name == "dp1tp1pp4-m4-1f1b"
     assert max(space.candidates, key=_prior).name != best.name  # the planner alone would miss it
-    assert len(runner.calls) < len(space.candidates) // 4
+    assert len(runner.calls) <= len(space.candidates) / 4
     assert result.stop_reason.startswith("no untried candidate")
     assert len(set(runner.calls)) == len(runner.calls)  # nothing measured twice
     journal = [json.loads(x) for x in (tmp_path / "tune" / "journal.jsonl").read_text().splitlines()]

@@ -4,7 +4,9 @@ loss.png       loss per step
 timeline.png   the pipeline timeline of the first traced step: one row per rank, a bar per span
                (F/B/W, receive waits, sends, TP comm, optimizer, ...), coloured by category
 breakdown.png  per rank, the step's time stacked by category
-report.html    the text summary and the three images, in one page (images embedded)
+goodput.png    the goodput ledger over the run: wall time so far stacked by category (productive,
+               lost, recovery by part, pre-flight, checkpoint stall ...), each attempt marked
+report.html    the text summary and the images, in one page (images embedded)
 """
 
 from __future__ import annotations
@@ -149,6 +151,47 @@ def breakdown_plot(run: Run, per_rank: dict, path: Path) -> Path | None:
     ax.invert_yaxis()
     ax.set_xlabel("ms per step (mean over steps)")
     ax.set_title(f"{run.name}: where each rank's step went")
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+LEDGER_COLORS = {
+    "productive": "#55A868",
+    "lost": "#C44E52",
+    "detect": "#8172B3",
+    "restart": "#DD8452",
+    "preflight": "#CCB974",
+    "load": "#64B5CD",
+    "rewarm": "#937860",
+    "checkpoint": "#000000",
+    "skipped": "#DA8BC3",
+    "other": "#BBBBBB",
+}
+
+
+def goodput_plot(run: Run, path: Path) -> Path | None:
+    """The ledger's progress lines as stacked areas over the run's wall time; None without one."""
+    from threefold.analysis.summary import LEDGER, ledger_seconds
+
+    progress = [line for line in run.ledger if line.get("event") == "progress"]
+    if not progress:
+        return None
+    plt = _pyplot()
+    x = [0.0] + [line["wall_s"] for line in progress]  # from the run's start, when nothing was spent
+    series = [dict.fromkeys(LEDGER, 0.0)] + [ledger_seconds(line) for line in progress]
+    used = [k for k in LEDGER if any(s[k] > 0 for s in series)]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.stackplot(x, [[s[k] for s in series] for k in used], labels=used, colors=[LEDGER_COLORS[k] for k in used])
+    start = progress[0]["time"] - progress[0]["wall_s"]
+    for line in run.ledger:
+        if line.get("event") == "attempt" and line.get("failure"):
+            ax.axvline(line["time"] - start, color="#333333", lw=0.6, ls=":")
+    ax.set_xlabel("wall time of the run (s); dotted: an attempt after a failure")
+    ax.set_ylabel("seconds so far")
+    ax.set_title(f"{run.name}: goodput ledger ({progress[-1].get('goodput', 0):.1%} productive)")
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -428,7 +428,7 @@ def _checkpoint(ctx: _Context) -> Finding | None:
     if not ctx.get("checkpoint.async", False):
         return ctx.finding("checkpoint", "checkpoint", [ctx.spans_knob({"checkpoint.async": True}, 0.8 * spent)])
     interval = ctx.get("checkpoint.interval", 0)
-    if interval:
+    if interval and interval != "auto":
         return ctx.finding(
             "checkpoint", "checkpoint", [ctx.spans_knob({"checkpoint.interval": 2 * interval}, spent / 2)]
         )

@@ -1,6 +1,7 @@
 """Reading a run directory back: run.json, metrics.jsonl and, when spans were on, spans.jsonl and
-trace.json. A missing or unreadable required file is one clear line (RunDirError, exit 2); a
-half-written last line (a run still going, or killed mid-write) is dropped with a note.
+trace.json; the goodput ledger goodput.jsonl when the run wrote one. A missing or unreadable
+required file is one clear line (RunDirError, exit 2); a half-written last line (a run still
+going, or killed mid-write) is dropped with a note.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class Run:
     spans: list[dict] = field(default_factory=list)  # spans.jsonl: per step, every rank's categories
     trace: dict | None = None
     notes: list[str] = field(default_factory=list)
+    ledger: list[dict] = field(default_factory=list)  # goodput.jsonl: every attempt's lines
 
     @property
     def config(self) -> dict:
@@ -88,6 +90,9 @@ def load_run(path: str | Path) -> Run:
     spans_path = path / "spans.jsonl"
     if spans_path.exists():
         run.spans = [s for s in _read_jsonl(spans_path, notes) if isinstance(s.get("ranks"), list)]
+    ledger_path = path / "goodput.jsonl"
+    if ledger_path.exists():
+        run.ledger = _read_jsonl(ledger_path, notes)
     trace_path = path / "trace.json"
     if trace_path.exists():
         try:

@@ -145,6 +145,31 @@ def summarize(run: Run) -> dict:
     out["goodput"] = _keys_like(run.metrics[-1:], ("goodput",)) or {
         k: v for k, v in run.info.get("extra", {}).items() if "goodput" in k and isinstance(v, (int, float))
     }
+    out["ledger"] = ledger_shares(run.ledger)
+    return out
+
+
+LEDGER = ("productive", "lost", "detect", "restart", "preflight", "load", "rewarm", "checkpoint", "skipped", "other")
+"""The goodput ledger's categories (observe/goodput.py), in the order the report stacks them."""
+
+
+def ledger_shares(ledger: list[dict]) -> dict | None:
+    """The run's wall time by ledger category at its last progress line (seconds), with the
+    number of attempts; None without a ledger. Pre-flight counts every attempt's; recovery is
+    split into its parts; the rest (the first start-up, logging) is other."""
+    progress = [line for line in ledger if line.get("event") == "progress"]
+    if not progress:
+        return None
+    last = progress[-1]
+    seconds = ledger_seconds(last)
+    return {"seconds": seconds, "wall_s": last["wall_s"], "attempts": sum(e.get("event") == "attempt" for e in ledger)}
+
+
+def ledger_seconds(line: dict) -> dict[str, float]:
+    """One progress line's seconds per LEDGER category (they add up to its wall_s)."""
+    out = {k: line.get(f"{k}_s", 0.0) for k in LEDGER}
+    out["preflight"] = line.get("preflight_total_s", 0.0)
+    out["other"] = line.get("other_s", 0.0) - (out["preflight"] - line.get("preflight_s", 0.0))
     return out
 
 
@@ -265,6 +290,10 @@ def format_summary(s: dict) -> str:
         lines.append(f"  {k}: {v:.3f} (mean)")
     for k, v in s["goodput"].items():
         lines.append(f"  {k}: {v:.3f}")
+    ledger = s.get("ledger")
+    if ledger:
+        shown = ", ".join(f"{k} {v:.1f}" for k, v in ledger["seconds"].items() if v > 0.05 or k == "productive")
+        lines.append(f"  goodput ledger, {ledger['attempts']} attempt(s), {ledger['wall_s']:.1f} s: {shown} (s)")
     for note in s["notes"]:
         lines.append(f"  note: {note}")
     return "\n".join(lines)

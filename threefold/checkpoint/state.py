@@ -27,6 +27,9 @@ class LocalTensor:
     """The rank whose file holds this slice when the checkpoint was saved in this run's layout
     (this rank where it writes it, else the replica that does): a resume reads that file's line
     of the owned table instead of the tensor's line of every piece (manifest.read_for)."""
+    dp_replica: bool = False
+    """A slice every dp replica holds whole (ZeRO 0), not written here only because dp rank 0
+    writes it: a memory replica of this rank stands for dp rank 0's (checkpoint/replicas.py)."""
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -89,14 +92,15 @@ def _engine_state(engine, names: dict, grid) -> list[LocalTensor]:
             full = tuple(spec.full_shape)
             offsets[spec.dim] += spec.start
         tp_sharded = spec is not None and group == "tp"
-        write = (
-            (engine.zero >= 1 or engine.group.rank == 0)
-            and (tp_sharded or not tp_replicated or grid.tp_rank == 0)
-            and not alias
-        )
+        ours = (tp_sharded or not tp_replicated or grid.tp_rank == 0) and not alias
+        write = (engine.zero >= 1 or engine.group.rank == 0) and ours
         source = me + replica + (0 if tp_sharded else tp_first) + (first_stage if alias else 0)
         for kind, tensor in piece.tensors.items():
-            out.append(LocalTensor(f"{KINDS[kind]}/{name}", tensor, full, tuple(offsets), write, source))
+            out.append(
+                LocalTensor(
+                    f"{KINDS[kind]}/{name}", tensor, full, tuple(offsets), write, source, dp_replica=ours and not write
+                )
+            )
     return out
 
 

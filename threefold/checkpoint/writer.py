@@ -44,27 +44,35 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._pending: tuple[int, dict, dict] | None = None  # step, extra, {"report": ...} of the save in flight
         self.host = HostSnapshot()  # an asynchronous save's buffers, reused from save to save
+        self.fail_next: OSError | None = None
+        """An error the next save's write meets instead of writing (the enospc drill)."""
 
     def save(self, step: int, extra: dict) -> float:
         """Save `step`; returns the seconds the caller was blocked (publishing the previous
         save, copying to host memory, and for a synchronous save all of the writing)."""
         t0 = time.perf_counter()
         self.wait()  # the buffers the snapshot overwrites are free once the last write ended
+        error, self.fail_next = self.fail_next, None
         if not self.asynchronous:
             shards = snapshot(self.state)
-            self._publish(step, extra, write_shards(self.root, step, shards, self.group.rank))
+            self._publish(step, extra, self._write_or_fail(step, shards, error))
             return time.perf_counter() - t0
         shards = self.host.take(self.state)
         box: dict = {}
         self._pending = (step, extra, box)
         self._thread = threading.Thread(
-            target=self._write, args=(step, shards, box), name="threefold-checkpoint", daemon=True
+            target=self._write, args=(step, shards, box, error), name="threefold-checkpoint", daemon=True
         )
         self._thread.start()
         return time.perf_counter() - t0
 
-    def _write(self, step: int, shards, box: dict) -> None:
-        box["report"] = write_shards(self.root, step, shards, self.group.rank)  # file I/O only
+    def _write_or_fail(self, step: int, shards, error: OSError | None) -> dict:
+        if error is not None:
+            return {"error": f"rank {self.group.rank}: {error}"}
+        return write_shards(self.root, step, shards, self.group.rank)
+
+    def _write(self, step: int, shards, box: dict, error: OSError | None = None) -> None:
+        box["report"] = self._write_or_fail(step, shards, error)  # file I/O only
 
     def _publish(self, step: int, extra: dict, report: dict) -> None:
         # The ranks that write (dp rank 0 alone under ZeRO 0) come here after their files are

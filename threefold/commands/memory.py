@@ -16,8 +16,9 @@ import tempfile
 
 USAGE = """threefold memory [--config FILE] [--section.key VALUE ...] [--json]
   runs one training step of the configuration and prints, per rank, measured and predicted
-  bytes of parameters, gradients, optimizer state and peak activations, and the peak
-  tensor bytes of start-up (model built and initialized, engine and optimizer made)"""
+  bytes of parameters, gradients, optimizer state and peak activations, the peak tensor
+  bytes of start-up (model built and initialized, engine and optimizer made), and what
+  memory replicas (checkpoint.memory_interval) cost: host RAM held and a snapshot's stall"""
 
 COLUMNS = ("params", "grads", "optimizer", "activations")
 
@@ -62,7 +63,28 @@ def format_rows(rows: list[dict], title: str) -> str:
     if any(r["predicted"]["activations"] is None for r in rows):
         lines.append("activations: '-' = no formula for MoE layers (measured only; ratio over the other columns)")
     lines.append("startup peak: most tensor bytes held at once while the model and engine were built (measured)")
+    if any(r.get("replica") for r in rows):
+        lines += replica_lines(rows)
     return "\n".join(lines)
+
+
+def replica_lines(rows: list[dict]) -> list[str]:
+    """Memory replicas per rank: the host RAM they hold and the loop's wait for one snapshot."""
+    lines = ["memory replicas (checkpoint.memory_interval):"]
+    lines.append(f"{'rank':>4} {'state':>10} {'RAM held':>10} {'own':>10} {'kept':>10} {'stall':>9}  second copy")
+    for r in rows:
+        m = r.get("replica") or {}
+        if not m:
+            continue
+        lines.append(
+            f"{r['rank']:>4} {_size(m['state']):>10} {_size(m['total']):>10} {_size(m['own']):>10} "
+            f"{_size(m['held'] + m['staging']):>10} {m['stall_s'] * 1e3:>7.2f}ms  {m['copy']}"
+        )
+    lines.append(
+        "RAM held: two slots of the rank's own state (own) and two of each state it keeps for a rank of another "
+        "node (kept); stall: the loop's wait for one snapshot (its host copy), median of 5"
+    )
+    return lines
 
 
 def memory_command(argv: list[str]) -> int:
@@ -77,6 +99,7 @@ def memory_command(argv: list[str]) -> int:
     cfg = build_config(args.config, parse_overrides(rest))
     cfg.train.steps = 1
     cfg.checkpoint.dir, cfg.checkpoint.resume, cfg.checkpoint.interval = "", "", 0
+    cfg.checkpoint.memory_interval = cfg.checkpoint.memory_interval or 1  # its cost is measured too
     cfg.log.quiet = True
     with tempfile.TemporaryDirectory(prefix="threefold-memory-") as tmp:
         cfg.log.dir = tmp

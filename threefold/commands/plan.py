@@ -12,7 +12,7 @@ from threefold.errors import ConfigError
 
 USAGE = """threefold plan [--config FILE] --train.global_batch N [--model.KEY V ...] [--cluster.KEY V ...]
                       [--layout SPEC] [--json] [--top N] [--emit-config FILE] [--faults.KEY V ...]
-                      [--topology FILE [--placement-out FILE]]
+                      [--topology FILE [--placement-out FILE]] [--spares auto|N [--batch-within PCT]]
        threefold plan --calibrate RUN_DIR [RUN_DIR ...] [--validate RUN_DIR ...] [--cluster.KEY V ...]
                       [--fit PARAM,PARAM] [--save-profile FILE] [--json]
   e.g. threefold plan --model.preset llama-70b --cluster.device h100 --cluster.nodes 16 --train.global_batch 1024
@@ -73,6 +73,14 @@ def _parser() -> argparse.ArgumentParser:
         "--spares",
         metavar="auto|N",
         help="keep hot spare nodes: auto weighs 0 to 2%% of the nodes by throughput x goodput (planner/spares.py)",
+    )
+    ap.add_argument(
+        "--batch-within",
+        metavar="PCT",
+        type=float,
+        default=5.0,
+        help="with --spares: a node count the global batch does not split trains the nearest batch within "
+        "PCT%% of it that one of its layouts does (default 5; 0 keeps the batch)",
     )
     ap.add_argument("--help-cluster", action="store_true", help="list the cluster and faults keys")
     return ap
@@ -161,13 +169,15 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
         cluster_pairs = [*cluster_pairs, ("grad_reduce", "16bit")]  # the run's reduction, unless --cluster says
     if "param_gather" not in named:  # ZeRO 1/2's gather as the engine runs it (parallel.overlap_param_gather)
         cluster_pairs = [*cluster_pairs, ("param_gather", param_gather(cfg.parallel.overlap_param_gather))]
-    topo = None
+    topo = admit = None
     if args.topology:
         from threefold.planner.placement_plan import cluster_pairs as topology_pairs
+        from threefold.planner.placement_plan import placement_check
         from threefold.planner.topology import read_topology
 
         topo = read_topology(args.topology)
         cluster_pairs = [*cluster_pairs, *topology_pairs(topo, named)]
+        admit = placement_check(topo)  # the search keeps only layouts the topology places
     for flag, value in (("--placement-out", args.placement_out), ("--launch-out", args.launch_out)):
         if value and not args.topology:
             raise ConfigError(flag, "needs --topology FILE to place the layout on")
@@ -193,7 +203,11 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
         from threefold.planner.faults import recovery_s
         from threefold.planner.spares import best_option, candidates, spare_options
 
-        options = spare_options(shape, cluster, B, dtype, faults, candidates(cluster.nodes, args.spares), pins)
+        if not 0 <= args.batch_within < 100:
+            raise ConfigError("--batch-within", f"{args.batch_within:g} is not a percentage in [0, 100)")
+        counts = candidates(cluster.nodes, args.spares)
+        within = args.batch_within / 100
+        options = spare_options(shape, cluster, B, dtype, faults, counts, pins, within, 1, admit)
         chosen = best_option(options)
         if chosen is None:
             raise ConfigError("--spares", f"no layout runs on {cluster.nodes} nodes less any spare count weighed")
@@ -204,6 +218,7 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
                 f"  no layout of the model and batch on the nodes {len(none)} other counts leave: {none}"
             )
         cluster = dataclasses.replace(cluster, nodes=chosen.nodes)
+        B = cfg.train.global_batch = chosen.batch  # the batch chosen with the nodes (and --emit-config's)
         restart = recovery_s(faults, chosen.spares, chosen.nodes, cluster.devices_per_node)
     if args.layout:
         layout = parse_layout(args.layout, cluster.world)
@@ -219,9 +234,9 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
         else:
             note = None
     else:
-        plan = search(shape, cluster, B, dtype, pins=pins, keep=max(args.top, 1))
+        plan = search(shape, cluster, B, dtype, pins=pins, keep=max(args.top, 1), admit=admit)
         if not plan.ranked:
-            raise ConfigError("plan", _nothing_fits(plan))
+            raise ConfigError("plan", _nothing_fits(plan) + _batch_hint(plan, pins, args.spares is None))
         pred, note = plan.best, None
     placed = None
     if topo is not None:
@@ -324,6 +339,19 @@ def _nothing_fits(plan) -> str:
         spec, sentence = rej.best()[0]
         return f"no layout of {where} is possible: e.g. {spec}: {sentence.rstrip('.')}"
     return f"no layout of {where} is possible"
+
+
+def _batch_hint(plan, pins, spares_off: bool) -> str:
+    """When the global batch is what no layout of the cluster's nodes splits: the nearest batch
+    that one does (within 25%), and --spares auto, which leaves nodes out instead."""
+    from threefold.planner.spares import nearest_plan
+
+    if "batch" not in plan.rejected:
+        return ""
+    near, batch = nearest_plan(plan.shape, plan.cluster, plan.global_batch, plan.dtype, pins, within=0.25)
+    nodes = f"the {plan.cluster.nodes:,} nodes"
+    other = f"; a global batch of {batch:,} splits over {nodes}" if near is not None and near.ranked else ""
+    return other + ("; or --spares auto leaves nodes out as spares" if spares_off else "")
 
 
 def _calibrate(args, base, explicit: set[str]) -> int:

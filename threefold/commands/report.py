@@ -13,10 +13,11 @@ from threefold.errors import ConfigError
 USAGE = """threefold report RUN_DIR [--out DIR] [--no-plots] [--write-bands FILE] [--write-rules FILE]
                         [--cluster.KEY V ...]
        threefold report RUN_A RUN_B
-  one run: text summary and what to change next on stdout; loss.png, timeline.png, breakdown.png
-  and report.html in --out (default RUN_DIR/report) when matplotlib is installed
-  (pip install 'threefold[plots]'). --cluster.profile FILE (a calibrated profile, from
-  threefold plan --calibrate) or other --cluster.* keys tell the planner the machine.
+  one run: text summary and what to change next on stdout; loss.png, timeline.png, breakdown.png,
+  goodput.png (the goodput ledger over the run) and report.html in --out (default RUN_DIR/report)
+  when matplotlib is installed (pip install 'threefold[plots]'). --cluster.profile FILE (a
+  calibrated profile, from threefold plan --calibrate) or other --cluster.* keys tell the
+  planner the machine.
   --write-bands FILE: the run's step shares per category as bands that threefold train
   --log.bands FILE checks a later run against, and the same bands as Prometheus alerting rules
   (FILE's .rules.yml beside it, or --write-rules FILE) over the endpoint of log.prometheus_port.
@@ -145,6 +146,7 @@ def report_command(argv: list[str]) -> int:
             plots.loss_plot(run, out / "loss.png"),
             plots.timeline_plot(run, out / "timeline.png"),
             plots.breakdown_plot(run, summary["per_rank"], out / "breakdown.png"),
+            plots.goodput_plot(run, out / "goodput.png"),
         ]
         images = [i for i in images if i is not None]
         page = plots.write_html(out / "report.html", f"threefold report: {run.name}", text, images)

@@ -575,8 +575,11 @@ def world_handle():
     return dist.group.WORLD
 
 
-def new_group(ranks: list[int], timeout: timedelta | None = None, backend: str | None = None):
-    """A process group over `ranks` (collective over the whole job: every rank calls it)."""
+def new_group(ranks: list[int], timeout: timedelta | None = None, backend: str | None = None, local: bool = False):
+    """A process group over `ranks` (collective over the whole job: every rank calls it; with
+    `local`, only the members call it, O(1) per member whatever the world size)."""
+    if local:
+        return dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
     return dist.new_group(ranks, timeout=timeout, backend=backend)
 
 
@@ -615,13 +618,44 @@ def destroy_group(handle) -> None:
     dist.destroy_process_group(handle)
 
 
-def join(backend: str, device: torch.device, timeout: timedelta, restart_count: int, launched: bool) -> None:
+StoreTimeout = dist.DistStoreError
+"""What a store's wait raises when its keys did not come in time (any other DistError: the store
+is gone)."""
+
+
+def launcher_store(timeout: timedelta):
+    """The launcher's store for this round (torchrun's MASTER_ADDR:MASTER_PORT, hosted by its
+    rank 0) as torchrun numbered the workers: (store, rank, world). Its get, set, add, wait and
+    check are the c10d Store's."""
+    return next(dist.rendezvous("env://", timeout=timeout))
+
+
+def prefixed(store, prefix: str):
+    """`store` with every key under `prefix`."""
+    return dist.PrefixStore(prefix, store)
+
+
+def join(
+    backend: str,
+    device: torch.device,
+    timeout: timedelta,
+    restart_count: int,
+    launched: bool,
+    seat: tuple | None = None,
+) -> None:
     """Join the job's process group. Under the elastic agent the group lives on a store
     prefixed by the restart count: restarted workers would otherwise read the dead attempt's
-    stale gloo keys and fail to connect. Alone (not launched), a one-rank group on a local store."""
-    if launched:
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        store = dist.PrefixStore(f"threefold/attempt_{restart_count}", store)
+    stale gloo keys and fail to connect. `seat`: (launcher store, rank, world) when the worker's
+    rank is its seat in the round (training/seats.py) rather than torchrun's numbering. Alone
+    (not launched), a one-rank group on a local store."""
+    if seat is not None or launched:
+        store, rank, world = seat if seat is not None else launcher_store(timeout)
+        # The agents' shared store outlives a failed attempt: a restarted group must not read its
+        # keys. Without it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) the new rank 0 hosts a fresh store
+        # each round, and agents of several nodes may count restarts differently (one restarts its
+        # workers for a failure, another for the membership change): no prefix that differs.
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") == "True":
+            store = dist.PrefixStore(f"threefold/attempt_{restart_count}", store)
     else:
         store, rank, world = dist.HashStore(), 0, 1
     kwargs = {"device_id": device} if device.type == "cuda" else {}

@@ -26,9 +26,11 @@ KINDS = {
     "kill": ({"rank", "step"}, set()),
     "killnode": ({"rank", "step"}, set()),
     "hang": ({"rank", "step"}, set()),
-    "slow": ({"rank", "factor"}, {"step"}),
+    "slow": ({"rank", "factor"}, {"step", "steps"}),
     "nan": ({"step"}, {"rank", "count"}),
-    "corrupt": ({"step"}, {"file"}),
+    "corrupt": ({"step"}, {"file", "count"}),
+    "ramloss": ({"rank", "step"}, set()),
+    "enospc": ({"rank", "step"}, {"count"}),
     "slowlink": ({"ranks", "ms"}, set()),
     "slowdevice": ({"rank", "factor"}, set()),
     "slowlayer": ({"layer", "factor"}, {"rank", "step"}),
@@ -49,6 +51,8 @@ class Fault:
     step: int = 0
     factor: float = 1.0
     count: int = 1
+    steps: int = 0
+    """slow: how many steps it lasts from its step (0: to the end)."""
     file: str = "rank00000.pt"
     ranks: tuple[int, int] | None = None
     """slowlink: the two ranks whose exchanges are delayed."""

@@ -74,11 +74,13 @@ def resolve_device(kind: str, local_rank: int) -> torch.device:
     return torch.device(kind)
 
 
-def init_distributed(device: torch.device, timeout_s: float) -> WorkerEnv:
+def init_distributed(device: torch.device, timeout_s: float, store=None) -> WorkerEnv:
     """Join the job's process group (NCCL on CUDA, gloo on CPU).
 
     Under the elastic agent the group lives on a store prefixed by the restart count: restarted
     workers would otherwise read the dead attempt's stale gloo keys and fail to connect.
+    `store`: the launcher's store when this worker's RANK and WORLD_SIZE are its seat in the round
+    (training/seats.py), not the ones torchrun numbered the store's clients by.
     """
     env = WorkerEnv.from_environ()
     # torch's flight recorder (a ring of hang.FR_ENTRIES collectives per process; its cost is
@@ -90,6 +92,7 @@ def init_distributed(device: torch.device, timeout_s: float) -> WorkerEnv:
         timedelta(seconds=timeout_s),
         env.restart_count,
         under_launcher(),
+        None if store is None else (store, env.rank, env.world_size),
     )
     return env
 
@@ -174,11 +177,11 @@ def layout_of(cfg: Config) -> RankLayout:
     return RankLayout(tp=p.tp, cp=p.cp, ep=p.ep, dp=p.dp, pp=p.pp, order=p.order)
 
 
-def join_group(cfg: Config, env: WorkerEnv, timeout_s: float | None = None) -> torch.device:
+def join_group(cfg: Config, env: WorkerEnv, timeout_s: float | None = None, store=None) -> torch.device:
     """This process's device (its intra-op threads on CPU), and the job's process group joined
-    with `timeout_s` (default train.timeout_s)."""
+    with `timeout_s` (default train.timeout_s), on `store` when given (init_distributed)."""
     device = resolve_device(cfg.train.device, env.local_rank)
     if device.type == "cpu":
         torch.set_num_threads(cfg.train.threads)
-    init_distributed(device, cfg.train.timeout_s if timeout_s is None else timeout_s)
+    init_distributed(device, cfg.train.timeout_s if timeout_s is None else timeout_s, store)
     return device

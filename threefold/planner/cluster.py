@@ -36,7 +36,9 @@ class Cluster:
     peak_tflops: float = knob(0.0, "Dense peak TFLOP/s per device in the training dtype (0 = table; cpu: measured)")
     memory_gib: float = knob(0.0, "Device memory in GiB (0 = the profile's; cpu: host RAM / devices_per_node)")
     reserved_gib: float = knob(0.0, "Memory the model cannot use: runtime context, comm buffers, fragmentation")
-    mem_bw_gbps: float = knob(0.0, "Device memory bandwidth in GB/s (the optimizer step is bound by it)")
+    mem_bw_gbps: float = knob(
+        0.0, "GB/s the optimizer phase streams at (the datasheet's memory bandwidth, or the sweep's fused AdamW)"
+    )
     intra_bw_gbps: float = knob(0.0, "Per-device bus bandwidth reached inside a node, GB/s one way (NVLink; cpu: gloo)")
     inter_bw_gbps: float = knob(0.0, "Per-device bus bandwidth reached between nodes, GB/s one way (its share of NICs)")
     intra_latency_us: float = knob(0.0, "Latency of one ring step inside a node, microseconds")
@@ -59,7 +61,16 @@ class Cluster:
     elementwise_bw_gbps: float = knob(
         0.0, "Memory bandwidth element-wise work reaches (norms, activations, softmax, residuals), GB/s (0 = profile)"
     )
-    layer_overhead_us: float = knob(-1.0, "Time per layer and micro-batch, fwd + bwd: launches, Python (-1 = profile)")
+    reduction_bw_gbps: float = knob(
+        0.0,
+        "Memory bandwidth normalisation, reduction and mixed-dtype kernels reach (norms, bias-gradient sums, the "
+        "loss, gradient accumulation), GB/s (0 = profile)",
+    )
+    layer_overhead_us: float = knob(
+        -1.0,
+        "Host time per layer and micro-batch, fwd + bwd: launches, Python (-1 = profile); on GPUs only what "
+        "outlasts the layer's device time is exposed",
+    )
     step_overhead_s: float = knob(-1.0, "Fixed time per step outside the model: data, logging, sync (-1 = profile)")
     sm_count: int = knob(-1, "Streaming multiprocessors: GEMM wave quantization (-1 = profile; 0 = none, cpu)")
     attention_efficiency: float = knob(
@@ -98,6 +109,11 @@ class Cluster:
         "Bytes the data-parallel gradient reduction moves: fp32 = fp32 main gradients (train.grad_reduce_dtype auto, "
         "Megatron's main grads); 16bit = bf16/fp16 (train.grad_reduce_dtype bf16 or fp16; Megatron-LM without "
         "--accumulate-allreduce-grads-in-fp32)",
+    )
+    grad_accumulation: str = knob(
+        "separate",
+        "Each micro-batch's weight gradients: separate = added into the fp32 buffers after the GEMM (threefold's "
+        "engine); fused = accumulated by the weight-gradient GEMM itself (Megatron-LM's gradient accumulation fusion)",
     )
     dp_overlap: float = knob(
         -1.0, "Fixed fraction of DP/ZeRO communication hidden (-1 = by cluster.overlap: modelled, or 0 under none)"
@@ -182,6 +198,7 @@ _FROM_PROFILE_IF = {
     "compute_efficiency": 0.0,
     "gemm_half_dim": -1.0,
     "elementwise_bw_gbps": 0.0,
+    "reduction_bw_gbps": 0.0,
     "layer_overhead_us": -1.0,
     "step_overhead_s": -1.0,
     "sm_count": -1,
@@ -196,6 +213,7 @@ CHOICES = {
     "tp_overlap_scope": ("backward", "all", "none"),
     "param_gather": ("after_step", "forward"),
     "grad_reduce": ("fp32", "16bit"),
+    "grad_accumulation": ("separate", "fused"),
     "attention_scores": ("causal", "square"),
 }
 
@@ -337,7 +355,8 @@ def check_cluster(c: Cluster) -> None:
         raise ConfigError("cluster.nodes", f"must be >= 1, got {c.nodes}")
     if c.devices_per_node < 1:
         raise ConfigError("cluster.devices_per_node", f"must be >= 1, got {c.devices_per_node}")
-    for key in ("peak_tflops", "memory_gib", "mem_bw_gbps", "elementwise_bw_gbps", "intra_bw_gbps", "inter_bw_gbps"):
+    positive = ("peak_tflops", "memory_gib", "mem_bw_gbps", "elementwise_bw_gbps", "reduction_bw_gbps")
+    for key in (*positive, "intra_bw_gbps", "inter_bw_gbps"):
         if getattr(c, key) <= 0:
             raise ConfigError(f"cluster.{key}", f"must be > 0, got {getattr(c, key)}")
     if not 0 < c.compute_efficiency <= 1:

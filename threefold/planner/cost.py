@@ -15,7 +15,8 @@ The categories of one optimizer step on the slowest pipeline rank:
 
     compute    model FLOPs of the rank's m micro-batches / (peak * compute_efficiency), each layer's
                times its GEMMs' small-shape factor (planner/kernels.py), plus the memory-bound
-               work's bytes / elementwise_bw_gbps
+               work's bytes / elementwise_bw_gbps: the layers', the loss's over the logits and
+               each micro-batch's weight gradients added into their buffers
     recompute  the forward work recomputation does again (selective: attention core; full: layers)
     cp_comm    per layer and micro-batch, context_parallel.analytic_bytes over the cp link; ring:
                what outlasts each step's attention is exposed, a2a: all (planner/cp_cost.py)
@@ -30,8 +31,8 @@ The categories of one optimizer step on the slowest pipeline rank:
     dp_comm    the gradient synchronisation of the rank holding the most parameters (comm_cost.py);
                on the last pipeline stage only what outlasts the p - 1 backward passes the earlier
                stages still run
-    optimizer  AdamW reads and writes its state once: P_opt (2 K_opt + K_param + K_grad) bytes / mem_bw
-               (at the process's core share, cpu: the bandwidth is the core's)
+    optimizer  the global norm, AdamW's update, the master copied down and zero_grad: the bytes they
+               stream / mem_bw (at the process's core share, cpu: the bandwidth is the core's)
     overhead   layer_overhead per layer pass + step_overhead
 
 A calibrated cluster may carry a measured category's own parameters (`Cluster.categories`,
@@ -58,7 +59,15 @@ from threefold.planner.comm_cost import (
     tp_link,
 )
 from threefold.planner.cp_cost import cp_comm_terms, cp_link
-from threefold.planner.kernels import elementwise_bytes, gemm_factor, head_factor
+from threefold.planner.kernels import (
+    ADAM_BYTES_PER_ELEMENT,
+    LOSS_BYTES_PER_LOGIT,
+    accumulation_bytes,
+    elementwise_bytes,
+    gemm_factor,
+    head_factor,
+    reduction_bytes,
+)
 from threefold.planner.layout import Layout
 from threefold.planner.memory import ACT_BYTES, expert_dp
 from threefold.planner.model import ModelShape
@@ -80,6 +89,7 @@ CATEGORIES = (
 PARAMS = (
     "compute_efficiency",
     "elementwise_bw_gbps",
+    "reduction_bw_gbps",
     "intra_bw_gbps",
     "inter_bw_gbps",
     "intra_latency_us",
@@ -160,7 +170,9 @@ class _StepInputs:
     layer_gemm_factor: float
     head_gemm_factor: float
     elementwise_bytes: float
-    """Memory-bound bytes of one layer pass and micro-batch, at the process's core share."""
+    """Streaming element-wise bytes of one layer pass and micro-batch, at the process's core share."""
+    reduction_bytes: float
+    """Normalisation and reduction bytes of one layer pass and micro-batch, likewise."""
     cp_layer: Terms
     """One layer's context-parallel attention traffic per micro-batch (planner/cp_cost.py)."""
 
@@ -172,6 +184,7 @@ class _StepInputs:
         fused = cluster.attention_efficiency > 0  # a fused kernel keeps the probabilities on chip
         square = not fused and cluster.attention_scores == "square"
         moved = elementwise_bytes(shape.cfg, t, act, layout.sp, fused, square) * tokens / cluster.core_share
+        reduced = reduction_bytes(shape.cfg, t, act, layout.sp, fused) * tokens / cluster.core_share
         return cls(
             shape=shape,
             cluster=cluster,
@@ -185,6 +198,7 @@ class _StepInputs:
             layer_gemm_factor=gemm_factor(shape.cfg, tokens, t, cluster),
             head_gemm_factor=head_factor(shape.cfg, tokens, t, cluster),
             elementwise_bytes=moved,
+            reduction_bytes=reduced,
             cp_layer=cp_comm_terms(shape, cluster, layout, act, latency_steps),
         )
 
@@ -227,25 +241,31 @@ def _slowest_and_lightest_rank(step: _StepInputs) -> tuple[str, dict[str, Terms]
     most), so the slowest and the lightest are rank 0 and the last."""
     shape, layout = step.shape, step.layout
     if layout.pp == 1:
-        whole = _micro_batch_terms(step, shape.layers, True)
+        whole = _micro_batch_terms(step, shape.layers, True, True)
         return "last", whole, whole
     split = shape.stage_split(layout.pp, layout.vpp)
-    first = _micro_batch_terms(step, split.first_layers, False)
-    last = _micro_batch_terms(step, split.last_layers, True)
+    first = _micro_batch_terms(step, split.first_layers, False, True)
+    last = _micro_batch_terms(step, split.last_layers, True, False)
     layer_fwd, head_fwd = shape.layer_fwd_flops, shape.head_flops / 3
     if split.last_layers * layer_fwd + head_fwd >= split.first_layers * layer_fwd:
         return "last", last, first
     return "first", first, last
 
 
-def _micro_batch_terms(step: _StepInputs, layers: int, has_head: bool) -> dict[str, Terms]:
+def _micro_batch_terms(step: _StepInputs, layers: int, has_head: bool, has_embedding: bool) -> dict[str, Terms]:
     """One micro-batch on a pipeline rank holding `layers` (all its v chunks), per category."""
     compute, recompute = _compute_terms(step, layers, has_head)
+    shape = step.shape
+    outside = shape.embed_params * has_embedding
+    if has_head and not (shape.tied and has_embedding):
+        outside += shape.head_params
+    held = sum(shape.state_numel(layers, outside, step.layout.tp, step.layout.ep))
+    _add(compute, "reduction_bw_gbps", accumulation_bytes(held, step.act_bytes, step.cluster) / step.cluster.core_share)
     moe_layers = layers * step.shape.moe_fraction  # MoE blocks among them (the model's share)
     # Host work per layer pass; processes sharing cores (cpu) pay it at their share too.
     passes = layers * (4 / 3 if step.full_recompute else 1.0) / step.cluster.core_share
     overhead: Terms = {}
-    _add(overhead, "layer_overhead_us", passes)
+    _add(overhead, "layer_overhead_us", passes * _host_exposed(step, compute, recompute, layers))
     return {
         "compute": compute,
         "recompute": recompute,
@@ -256,18 +276,42 @@ def _micro_batch_terms(step: _StepInputs, layers: int, has_head: bool) -> dict[s
     }
 
 
+def _host_exposed(step: _StepInputs, compute: Terms, recompute: Terms, layers: int) -> float:
+    """Share of the host's time per layer pass (layer_overhead_us) the step waits through. On a
+    GPU (modelled overlap) the host queues kernels ahead of the device and only what outlasts
+    the layer's device time is exposed (bench/gpu.py's breakdown: gpt-1.3b's device idled 3% of
+    the step at micro-batch 4, 29% at micro-batch 1); on cpu the host is the device: all of it."""
+    cluster = step.cluster
+    if cluster.overlap != "modelled" or layers <= 0:
+        return 1.0
+    device = (seconds(compute, cluster, "compute") + seconds(recompute, cluster, "recompute")) / layers
+    return exposed_share(cluster.layer_overhead_us * 1e-6, device)
+
+
 def _compute_terms(step: _StepInputs, layers: int, has_head: bool) -> tuple[Terms, Terms]:
     """(compute, recompute) of one micro-batch: FLOPs at peak, each GEMM at its small-shape
     factor, plus the element-wise bytes; full recompute repeats the forward's element-wise third."""
     shape, layout, peak = step.shape, step.layout, step.cluster.peak_flops
     head = shape.head_flops * step.head_gemm_factor if has_head else 0.0
+    # The loss streams the rank's logits (every token's vocabulary slice) LOSS_BYTES_PER_LOGIT times.
+    loss_bytes = (
+        step.tokens * shape.vocab / layout.tp * LOSS_BYTES_PER_LOGIT / step.cluster.core_share if has_head else 0.0
+    )
     base_flops = (layers * shape.layer_hw_flops["none"] * step.layer_gemm_factor + head) * step.tokens / layout.tp
     rerun_per_layer = shape.layer_hw_flops[layout.recompute] - shape.layer_hw_flops["none"]
     rerun_flops = layers * rerun_per_layer * step.layer_gemm_factor * step.tokens / layout.tp
-    compute = {"compute_efficiency": base_flops / peak, "elementwise_bw_gbps": layers * step.elementwise_bytes}
+    compute = {
+        "compute_efficiency": base_flops / peak,
+        "elementwise_bw_gbps": layers * step.elementwise_bytes,
+        "reduction_bw_gbps": layers * step.reduction_bytes + loss_bytes,
+    }
     if not step.full_recompute:
         return compute, {"compute_efficiency": rerun_flops / peak}
-    rerun = {"compute_efficiency": rerun_flops / peak, "elementwise_bw_gbps": layers * step.elementwise_bytes / 3}
+    rerun = {
+        "compute_efficiency": rerun_flops / peak,
+        "elementwise_bw_gbps": layers * step.elementwise_bytes / 3,
+        "reduction_bw_gbps": layers * step.reduction_bytes / 3,
+    }
     return compute, _scaled(rerun, 1)  # without the zero entries
 
 
@@ -277,7 +321,7 @@ def _add_bubble(step: _StepInputs, categories: dict[str, Terms], slowest: dict[s
     layout, m, share = step.layout, step.microbatches, step.cluster.core_share
     ratio = bubble_ratio(layout.schedule, layout.pp, m, layout.vpp)
     if layout.pp > 1 and share < 1.0:
-        whole_model = _micro_batch_terms(step, step.shape.layers, True)
+        whole_model = _micro_batch_terms(step, step.shape.layers, True, True)
         _oversubscribed_pipeline(categories, slowest, whole_model, m, layout.pp, ratio, share)
     else:
         categories["bubble"] = _scaled(merge_terms(*slowest.values()), m * ratio)
@@ -353,16 +397,19 @@ def _dp_comm_terms(step: _StepInputs, dense: float, expert: float, rank: str, mb
 
 
 def _optimizer_terms(step: _StepInputs, dense: float, expert: float) -> Terms:
-    """AdamW reads and writes its state once: P_opt (2 K_opt + K_param + K_grad) bytes at the
-    memory bandwidth (the core's share of it, cpu); ZeRO >= 1 keeps 1/replicas of the state."""
+    """What the optimizer phase streams, at the bandwidth the update kernel reaches (mem_bw_gbps:
+    bench/gpu.py's sweep fits it to torch's fused AdamW): the global norm reads the owned
+    gradients (4 bytes), the update reads parameter, gradient and both moments in fp32 and writes
+    three back (kernels.ADAM_BYTES_PER_ELEMENT), a 16-bit run copies the fp32 master down (reads
+    4, writes 2), and zero_grad writes the gradient buffer (4 bytes an element: the whole buffer
+    below ZeRO 2, the owned slice from 2 on). ZeRO >= 1 keeps 1/replicas of the state."""
     layout = step.layout
-    state_bytes = 12 if step.dtype == "bf16" else 8  # K_opt: fp32 moments (and the fp32 master under bf16)
-    kp, kg = step.act_bytes, 4
-    if layout.zero >= 1:
-        numel = dense / step.gradient_replicas + expert / expert_dp(layout)
-    else:
-        numel = dense + expert
-    return {"mem_bw_gbps": numel * (2 * state_bytes + kp + kg) / step.cluster.core_share}
+    full = dense + expert
+    owned = dense / step.gradient_replicas + expert / expert_dp(layout) if layout.zero >= 1 else full
+    grads = owned if layout.zero >= 2 else full
+    copy_down = 6.0 if step.act_bytes < 4 else 0.0
+    moved = owned * (4.0 + ADAM_BYTES_PER_ELEMENT + copy_down) + grads * 4.0
+    return {"mem_bw_gbps": moved / step.cluster.core_share}
 
 
 def _hardware_flops(step: _StepInputs, rank: str) -> float:

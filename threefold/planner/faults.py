@@ -10,7 +10,8 @@ failure to training again (detection, restart, loading the checkpoint):
 
 We recommend Young's interval, the one the formula most tools quote, and report Daly's
 goodput at it; Daly's own optimum is shown next to it (they differ by well under 1% of goodput
-while C << M).
+while C << M). The formulas live in observe/failure_model.py, where the training loop's
+`checkpoint.interval auto` uses them too.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from threefold.config import knob
 from threefold.errors import ConfigError
+from threefold.observe.failure_model import daly_interval, goodput, young_interval  # noqa: F401 - the planner's API
 
 
 @dataclass
@@ -66,29 +68,6 @@ def build_faults(overrides: list[tuple[str, str]]) -> Faults:
     if f.storage_bw_gbps <= 0:
         raise ConfigError("faults.storage_bw_gbps", f"must be > 0, got {f.storage_bw_gbps}")
     return f
-
-
-def young_interval(checkpoint_s: float, mtbf_s: float) -> float:
-    return math.sqrt(2 * checkpoint_s * mtbf_s)
-
-
-def daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
-    c, m = checkpoint_s, mtbf_s
-    if c >= 2 * m:
-        return m
-    x = c / (2 * m)
-    return math.sqrt(2 * c * m) * (1 + math.sqrt(x) / 3 + x / 9) - c
-
-
-def goodput(interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float) -> float:
-    """Useful time / wall time for checkpoints every `interval_s` of work (Daly 2006, eq. 13)."""
-    m = mtbf_s
-    if interval_s <= 0:
-        return 0.0
-    exponent = (interval_s + checkpoint_s) / m
-    if exponent > 700 or restart_s / m > 700:
-        return 0.0
-    return interval_s / (m * math.exp(restart_s / m) * math.expm1(exponent))
 
 
 def no_spare_probability(spares: int, nodes: int, node_mtbf_h: float, repair_h: float) -> float:

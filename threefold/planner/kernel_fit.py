@@ -15,6 +15,14 @@ its residuals:
   causal attention FLOPs (3 x the forward's 2 s^2 h / 2: backward twice the forward) and its head
   dim factor.
 - **Element-wise**: `elementwise_bw_gbps`, the median of bytes read and written over seconds.
+- **Normalisation and reductions**: `reduction_bw_gbps`, the median rate of a LayerNorm forward
+  + backward, a bias gradient's sum, the fp32 gradient accumulation and the chunked loss, each
+  over the bytes the planner counts for it.
+- **Host time per layer pass**: `layer_overhead_us`, from a small eager model at two depths
+  (CUDA; what the device waits through when a layer's kernels are shorter than their launches).
+- **The optimizer's update**: `mem_bw_gbps`, the bandwidth torch's fused AdamW streams its
+  state at (it reads parameters, gradients and both moments and writes three of them back: 28
+  bytes an element in fp32), which planner/cost.py charges the update's bytes at.
 
 The knobs come out on the planner's own terms, so `threefold plan --cluster.profile FILE` predicts
 with what the device did rather than with a datasheet.
@@ -29,7 +37,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from threefold.planner.cluster import Cluster
-from threefold.planner.kernels import attention_factor, shape_factor
+from threefold.planner.kernels import ADAM_BYTES_PER_ELEMENT, attention_factor, shape_factor
 
 HALF_DIM_GRID = (0.0, 8.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 192.0, 256.0)
 HALF_SEQ_GRID = (0.0, 100.0, 200.0, 300.0, 400.0, 600.0, 800.0, 1000.0, 1300.0, 1600.0, 2000.0, 3000.0, 4000.0)
@@ -59,6 +67,53 @@ class CopyPoint:
     bytes_moved: float
     """Bytes read plus bytes written."""
     seconds: float
+
+
+@dataclass(frozen=True)
+class AdamPoint:
+    """torch's fused AdamW over `numel` fp32 elements of parameters, gradients and moments."""
+
+    numel: int
+    seconds: float
+
+    @property
+    def bytes_moved(self) -> float:
+        return ADAM_BYTES_PER_ELEMENT * self.numel
+
+
+@dataclass(frozen=True)
+class ReductionPoint:
+    """A normalisation, reduction or mixed-dtype kernel ("norm", "bias_grad", "accumulate",
+    "loss") with the bytes planner/kernels.py counts for it."""
+
+    kind: str
+    bytes_moved: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class HostPoint:
+    """Seconds per forward + backward of a small eager model at two layer counts: the host's
+    time per layer pass is the difference over the layers between them."""
+
+    layers_a: int
+    layers_b: int
+    seconds_a: float
+    seconds_b: float
+
+    @property
+    def per_layer_us(self) -> float:
+        return (self.seconds_b - self.seconds_a) / (self.layers_b - self.layers_a) * 1e6
+
+
+@dataclass(frozen=True)
+class LaunchPoint:
+    """One tiny kernel: back to back on the device's queue, and the host's launch call alone.
+    Recorded with the sweep (what a layer's many small kernels cost when the host cannot run
+    ahead); no knob is fitted to it."""
+
+    stream_s: float
+    host_s: float
 
 
 @dataclass(frozen=True)
@@ -123,15 +178,21 @@ def fit_attention(points: list[AttentionPoint], base: Cluster) -> tuple[float, f
     return efficiency, half_seq, rms
 
 
-def fit_copies(points: list[CopyPoint]) -> tuple[float, float]:
-    """(GB/s, log RMS around the median)."""
+def fit_copies(points: list[CopyPoint] | list[AdamPoint] | list[ReductionPoint]) -> tuple[float, float]:
+    """(GB/s, log RMS around the median) of points that move `bytes_moved` each."""
     rates = [p.bytes_moved / p.seconds for p in points]
     median = statistics.median(rates)
     return median / 1e9, math.sqrt(statistics.fmean([math.log(r / median) ** 2 for r in rates]))
 
 
 def fit_kernels(
-    base: Cluster, gemms: list[GemmPoint], attention: list[AttentionPoint], copies: list[CopyPoint]
+    base: Cluster,
+    gemms: list[GemmPoint],
+    attention: list[AttentionPoint],
+    copies: list[CopyPoint],
+    adam: list[AdamPoint] = (),
+    reductions: list[ReductionPoint] = (),
+    host: list[HostPoint] = (),
 ) -> KernelFit:
     """Every knob the points can set; a kind without points keeps the profile's value."""
     knobs: dict[str, float] = {}
@@ -149,4 +210,12 @@ def fit_kernels(
         )
     if copies:
         knobs["elementwise_bw_gbps"], sigma["copy"] = fit_copies(copies)
-    return KernelFit(knobs, sigma, {"gemm": len(gemms), "attention": len(attention), "copy": len(copies)})
+    if adam:
+        knobs["mem_bw_gbps"], sigma["adam"] = fit_copies(adam)
+    if reductions:
+        knobs["reduction_bw_gbps"], sigma["reduction"] = fit_copies(reductions)
+    if host:
+        knobs["layer_overhead_us"] = max(0.0, statistics.median(p.per_layer_us for p in host))
+    counts = {"gemm": len(gemms), "attention": len(attention), "copy": len(copies), "adam": len(adam)}
+    counts |= {"reduction": len(reductions), "host": len(host)}
+    return KernelFit(knobs, sigma, counts)

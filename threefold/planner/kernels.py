@@ -24,7 +24,13 @@ Achieved throughput depends on the model's shape, not only on the device:
 - **Memory-bound work** (`elementwise_bytes`): norms, residual adds, rotary embeddings, the
   activation function and, unfused, the softmax read and write activations and do little
   arithmetic: bytes moved / elementwise_bw_gbps, not FLOPs (about 4.3 TB/s device to device on
-  an H200 through PyTorch, counting bytes read and written).
+  an H200 through PyTorch, counting bytes read and written). Backward also sums each bias's
+  gradient over the tokens (a read of the biased outputs' gradients). Beside the layers, the
+  loss streams every logit several times (`LOSS_BYTES_PER_LOGIT`), and each micro-batch's
+  weight gradients are added into the fp32 gradient buffers unless the weight-gradient GEMM
+  accumulates into them itself (`accumulation_bytes`; cluster.grad_accumulation). A profile of
+  gpt-1.3b on one H200 (bench/gpu.py's breakdown) found these three at about a third of the
+  step's memory-bound time.
 
 The factors are per token, so they scale with micro-batch and width the way the GEMMs do not.
 """
@@ -33,12 +39,18 @@ from __future__ import annotations
 
 import math
 
+# torch's fused AdamW in fp32: parameter, gradient and both moments read, three written back.
+ADAM_BYTES_PER_ELEMENT = 28.0
+# threefold's chunked cross-entropy (model/loss.py) per logit: forward reads the bf16 logits
+# twice into fp32 chunks (max, then shifted exp and sum: 36 bytes), backward recomputes the
+# softmax and writes the bf16 gradient (44 bytes).
+LOSS_BYTES_PER_LOGIT = 80.0
 BACKWARD_TRAFFIC = 2.0  # a backward reads the forward's inputs and the incoming gradient, writes one
 TILE = 128  # output tile side of the large-shape GEMM kernels (cuBLAS/CUTLASS on Ampere and Hopper)
 HEAD_DIM_HALF = 16.0  # attention: head dim at which a loaded tile's work would halve (relative to 128)
 
 
-def _gemms(cfg, tokens: int, t: int) -> list[tuple[float, tuple[float, float, float]]]:
+def layer_gemms(cfg, tokens: int, t: int) -> list[tuple[float, tuple[float, float, float]]]:
     """(forward FLOPs per token, (m, n, k)) of each GEMM of one dense layer on a TP rank."""
     h, f = cfg.hidden, cfg.ffn_hidden
     head_dim = h // cfg.heads
@@ -85,7 +97,7 @@ def attention_factor(cfg, cluster) -> float:
 def gemm_factor(cfg, tokens: int, t: int, cluster) -> float:
     """FLOP-weighted mean time factor of one layer's GEMMs and attention core, for `tokens`
     tokens per micro-batch on one of `t` TP ranks."""
-    parts = [(fl, shape_factor(*mnk, cluster)) for fl, mnk in _gemms(cfg, tokens, t)]
+    parts = [(fl, shape_factor(*mnk, cluster)) for fl, mnk in layer_gemms(cfg, tokens, t)]
     parts.append((attention_flops(cfg, t), attention_factor(cfg, cluster)))
     return sum(fl * x for fl, x in parts) / sum(fl for fl, _ in parts)
 
@@ -105,29 +117,66 @@ def region_gemm_seconds(cfg, tokens: int, t: int, cluster) -> dict[str, tuple[fl
     def took(flops: float, mnk) -> float:
         return flops * shape_factor(*mnk, cluster) / rate
 
-    qkv, out, up, down = (took(fl, mnk) for fl, mnk in _gemms(cfg, tokens, t))
+    qkv, out, up, down = (took(fl, mnk) for fl, mnk in layer_gemms(cfg, tokens, t))
     return {"attention": (qkv, qkv + out), "mlp": (up, up + down)}
+
+
+def bias_grad_elements(cfg, t: int) -> float:
+    """Elements per token one TP rank reads to sum its biases' gradients over the tokens: q/k/v
+    (column-parallel) on gpt2 and on llama with qkv_bias; gpt2's output projection and MLP
+    (the row-parallel ones' biases are whole on every rank)."""
+    head_dim = cfg.hidden // cfg.heads
+    kvd = head_dim * (getattr(cfg, "kv_heads", 0) or cfg.heads)
+    qkv = (cfg.hidden + 2 * kvd) / t
+    if cfg.arch != "gpt2":
+        return qkv if getattr(cfg, "qkv_bias", False) else 0.0
+    return qkv + cfg.hidden + cfg.ffn_hidden / t + cfg.hidden
+
+
+def accumulation_bytes(numel: float, act: int, cluster) -> float:
+    """One micro-batch's weight gradients added into their buffers: the new gradient read (act
+    bytes), the buffer read and written (fp32 main gradients, or 16-bit ones under
+    cluster.grad_reduce 16bit); none where the weight-gradient GEMM accumulates in place
+    (cluster.grad_accumulation = fused: Megatron-LM's gradient accumulation fusion)."""
+    if cluster.grad_accumulation == "fused":
+        return 0.0
+    buffer = 4.0 if cluster.grad_reduce == "fp32" else act
+    return numel * (act + 2.0 * buffer)
 
 
 def elementwise_bytes(
     cfg, t: int, act: int, sp: bool = False, fused_attention: bool = False, square: bool = False
 ) -> float:
-    """Bytes one TP rank's memory-bound work moves per token of one layer, forward and backward.
+    """Bytes one TP rank's streaming element-wise work moves per token of one layer, forward and
+    backward (at elementwise_bw_gbps).
 
-    Forward, in elements per token: two norms (read and write h each), two residual adds (read
-    2h, write h), rotary embedding of q and k (llama), the attention probabilities (heads x s/2
-    keys, written and read: what a non-fused softmax moves) and the activation function (SwiGLU
-    reads gate and up, writes one; GELU reads and writes f). The norms and residuals act on the
-    whole hidden state unless sequence parallelism splits it; the rest is split over tp. A fused
-    attention kernel (flash attention on GPUs) keeps the probabilities on chip: none of them move.
-    `square` (unfused, every score computed, the causal mask applied inside the softmax): the
-    softmax reads and writes all s keys, twice the causal half."""
+    Forward, in elements per token: two residual adds (read 2h, write h), rotary embedding of q
+    and k (llama), the attention probabilities (heads x s/2 keys, written and read: what a
+    non-fused softmax moves) and the activation function (SwiGLU reads gate and up, writes one;
+    GELU reads and writes f). The residuals act on the whole hidden state unless sequence
+    parallelism splits it; the rest is split over tp. A fused attention kernel (flash attention
+    on GPUs) keeps the probabilities on chip: none of them move. `square` (unfused, every score
+    computed, the causal mask applied inside the softmax): the softmax reads and writes all s
+    keys, twice the causal half."""
     h, f, s = cfg.hidden, cfg.ffn_hidden, cfg.seq_len
     head_dim = h // cfg.heads
     kvd = head_dim * (getattr(cfg, "kv_heads", 0) or cfg.heads)
-    replicated = (4 * h + 6 * h) / (t if sp else 1)
+    replicated = 6 * h / (t if sp else 1)
     rope = 2 * (h + kvd) if cfg.arch == "llama" else 0
     act_fn = 3 * f if cfg.arch == "llama" else 2 * f
     probabilities = 0 if fused_attention else cfg.heads * s * (2 if square else 1)
     split = (rope + probabilities + act_fn) / t
     return (1.0 + BACKWARD_TRAFFIC) * (replicated + split) * act
+
+
+def reduction_bytes(cfg, t: int, act: int, sp: bool = False, fused_attention: bool = False) -> float:
+    """Bytes one TP rank's normalisation and reduction kernels move per token of one layer,
+    forward and backward (at reduction_bw_gbps: they reach well below a copy's bandwidth).
+
+    Two norms (forward reads and writes h each, backward twice that; on the whole hidden state
+    unless sequence parallelism splits it), the biases' gradient sums (bias_grad_elements) and,
+    with a fused attention kernel, its backward's own passes: the rowsum of dO x O (reads both)
+    and the fp32 dQ accumulator converted down (3 elements' worth)."""
+    norms = (1.0 + BACKWARD_TRAFFIC) * 4 * cfg.hidden / (t if sp else 1)
+    attention = 5 * cfg.hidden / t if fused_attention else 0.0
+    return (norms + bias_grad_elements(cfg, t) + attention) * act

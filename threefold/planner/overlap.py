@@ -42,6 +42,8 @@ ASSUMPTIONS = {
     "cp_comm": "ring: each key/value block in flight behind one block of attention, backward's "
     "accumulators with it (planner/cp_cost.py); a2a: exposed",
     "ep_comm": "all-to-alls exposed: nothing of the same micro-batch can run beside dispatch and combine",
+    "overhead": "the host queues each layer's kernels ahead of the device: only host time per layer pass "
+    "(layer_overhead_us) beyond the pass's device time is exposed (one H200, bench/gpu.py's breakdown)",
 }
 SLOWDOWN = (
     "each hidden second of a transfer costs overlap_slowdown of a second of the compute beside it "
@@ -96,6 +98,6 @@ def overlap_lines(cluster) -> list[str]:
     lines.append(
         f"  dp_comm  {dp}" if cluster.dp_overlap < 0 else f"  dp_comm  {cluster.dp_overlap:.0%} hidden (fixed)"
     )
-    lines += [f"  {c}  {ASSUMPTIONS[c]}" for c in ("pp_comm", "cp_comm", "ep_comm")]
+    lines += [f"  {c}  {ASSUMPTIONS[c]}" for c in ("pp_comm", "cp_comm", "ep_comm", "overhead")]
     lines.append(f"  tp, dp, pp: {SLOWDOWN}; here {cluster.overlap_slowdown:.0%}")
     return lines

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from threefold.distributed.grid import RankLayout
@@ -76,8 +77,7 @@ def block_and_grid(layout: RankLayout, topo: Topology) -> tuple[dict[str, int], 
     if layout.order != "tp-cp-ep-dp-pp":
         raise ConfigError("parallel.order", f"placement follows tp-cp-ep-dp-pp, not {layout.order!r}")
     g = topo.gpus_per_node
-    domains = {n.domain for n in topo.healthy}
-    domain = max(sum(1 for n in topo.healthy if n.domain == d) for d in domains) * g
+    domain = max(Counter(n.domain for n in topo.healthy).values()) * g  # the largest domain's GPUs
     if layout.tp > domain:
         raise ConfigError(
             "parallel.tp", f"tp={layout.tp} does not fit an NVLink domain of {domain} GPUs", f"tp <= {domain}"
@@ -182,7 +182,15 @@ def minimum_spine_bytes(layout: RankLayout, topo: Topology, traffic: dict[str, f
 
 def place(layout: RankLayout, topo: Topology, traffic: dict[str, float]) -> Placement:
     """Hosts for `layout` on `topo` (module docstring); `traffic` is each dimension's bytes per
-    member per step (traffic_per_step), which decides the box."""
+    member per step (traffic_per_step), which decides the box: the least spine bytes (of two
+    alike, the larger box)."""
+    options = box_placements(layout, topo)
+    return min(options, key=lambda p: (spine_bytes(layout, p, traffic), -math.prod(p.box.values())))
+
+
+def box_placements(layout: RankLayout, topo: Topology) -> list[Placement]:
+    """One placement of `layout` per box shape the roomiest leaf holds, spares and drained nodes
+    listed (the box is place's choice, or the priced step's: planner/placement_plan.py)."""
     g = topo.gpus_per_node
     block, grid = block_and_grid(layout, topo)
     nodes_per_block = math.prod(block.values()) // g
@@ -195,16 +203,15 @@ def place(layout: RankLayout, topo: Topology, traffic: dict[str, float]) -> Plac
             f"{layout.world_size} ranks need {need} blocks of {nodes_per_block} node(s); the healthy nodes hold {have}",
         )
     order = sorted(leaves, key=lambda leaf: (-len(leaves[leaf]), leaf))
-    best = None
+    drained = [n for n in topo.nodes if not n.healthy]
+    out = []
     for box in boxes(grid, len(leaves[order[0]])):
         placement = _fill(grid, box, leaves, order, need, g, block)
-        cost = (spine_bytes(layout, placement, traffic), -math.prod(box.values()))
-        if best is None or cost < best[0]:
-            best = (cost, placement)
-    placement = best[1]
-    placement.spares += [n for n in topo.healthy if n not in placement.hosts and n not in placement.spares]
-    placement.drained = [n for n in topo.nodes if not n.healthy]
-    return placement
+        taken = set(map(id, placement.hosts + placement.spares))
+        placement.spares += [n for n in topo.healthy if id(n) not in taken]
+        placement.drained = drained
+        out.append(placement)
+    return out
 
 
 def _fill(grid, box, leaves, order, need, g, block) -> Placement:

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 from threefold.atomic import atomic_write
 from threefold.errors import ConfigError
 from threefold.planner.placement import (
+    block_and_grid,
+    box_placements,
     hostlist_placement,
     minimum_spine_bytes,
-    place,
     placed_links,
     rank_layout,
     spine_bytes,
@@ -34,12 +36,43 @@ def cluster_pairs(topo: Topology, named: set[str]) -> list[tuple[str, object]]:
     return [(key, value) for key, value in values.items() if key not in named]
 
 
+def placement_check(topo: Topology):
+    """search()'s `admit`: a layout the topology cannot place (its blocks of tp, cp and ep do not
+    fill whole nodes, or tp outgrows an NVLink domain) is rejected for "placement"."""
+
+    def admit(layout) -> tuple[str, str] | None:
+        try:
+            block_and_grid(rank_layout(layout), topo)
+        except ConfigError as err:
+            return "placement", f"{err}."
+        return None
+
+    return admit
+
+
 def placed(shape, cluster, layout, global_batch: int, dtype: str, topo: Topology):
-    """(the layout's placement, its ranks, traffic, and the prediction with the placement's links)."""
+    """(the layout's placement, its ranks, traffic, and the prediction with the placement's links).
+    Of the boxes (planner/placement.py), the one whose links price the step lowest; of boxes
+    priced alike, the least spine bytes (place's own choice). The fewest bytes can still be the
+    slower step: a box packing dp rings into leaves may send every pipeline boundary over a
+    contended uplink. The host-list order is kept only where it prices lower than every box."""
     ranks = rank_layout(layout)
     traffic = traffic_per_step(shape, layout, global_batch, 2 if dtype == "bf16" else 4)
-    placement = place(ranks, topo, traffic)
-    return placement, ranks, traffic, priced(shape, cluster, layout, global_batch, dtype, topo, placement)
+    options = []
+    for k, placement in enumerate(box_placements(ranks, topo)):
+        pred = priced(shape, cluster, layout, global_batch, dtype, topo, placement)
+        bytes_ = spine_bytes(ranks, placement, traffic)
+        options.append(((pred.step_time_s, bytes_, -math.prod(placement.box.values()), k), placement, pred))
+    best = min(options, key=lambda o: o[0])
+    try:
+        plain = hostlist_placement(ranks, topo)
+    except ConfigError:
+        plain = None
+    if plain is not None:
+        pred = priced(shape, cluster, layout, global_batch, dtype, topo, plain)
+        if pred.step_time_s < best[0][0]:
+            best = (None, plain, pred)
+    return best[1], ranks, traffic, best[2]
 
 
 def priced(shape, cluster, layout, global_batch: int, dtype: str, topo: Topology, placement):

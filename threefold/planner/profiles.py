@@ -12,12 +12,21 @@ from typing import Any
 # all-reduce with NVLink SHARP reaches ~480: Azure ND H100 v5 nccl-tests, 478.87 GB/s at 8 GB);
 # NVLink 3 (A100) 300 -> ~235. One NIC per GPU: 400 Gb/s NDR gives ~48 GB/s (nccl-tests#319:
 # "around 48GB/s from each CX7 NIC"), 200 Gb/s HDR ~23.
+# Measured on one H200 by bench/gpu.py's sweep (2026-12-04, torch 2.11.0+cu130; docs/benchmarks.md),
+# and carried to the other GPUs as shares of their own bandwidths where they are rates:
+#   fused AdamW streams 28 bytes an element at 3,460 GB/s, 0.72 of the 4,800 datasheet (mem_bw_gbps);
+#   a LayerNorm forward + backward, a bias gradient's sum, fp32 gradient accumulation and the chunked
+#   loss at a median 2,670 GB/s over the bytes the planner counts, 0.63 of a copy's 4,220
+#   (reduction_bw_gbps);
+#   the host's launches and Python per eager layer pass (forward + backward) of threefold's model,
+#   2,550 us, exposed only where a layer's device time is shorter (layer_overhead_us).
+ADAM_SHARE, REDUCTION_SHARE = 0.72, 0.63
 _GPU_COMMON = dict(
     reserved_gib=3.0,
     intra_latency_us=5.0,
     inter_latency_us=10.0,
     collective_overhead_us=10.0,
-    layer_overhead_us=10.0,
+    layer_overhead_us=2550.0,
     step_overhead_s=0.01,
     overlap="modelled",
     # Compute beside an overlapped collective runs 18.9% slower on average (arXiv 2507.03114,
@@ -37,8 +46,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         _GPU_COMMON,
         peak_name="NVIDIA A100-SXM4-40GB",
         memory_gib=40.0,
-        mem_bw_gbps=1555.0,
+        mem_bw_gbps=1555.0 * ADAM_SHARE,
         elementwise_bw_gbps=1400.0,  # ~90% of the datasheet: what element-wise kernels stream
+        reduction_bw_gbps=1400.0 * REDUCTION_SHARE,
         intra_bw_gbps=235.0,
         inter_bw_gbps=23.0,
         compute_efficiency=0.7,  # the earlier prior (docs/planner.md: the 2021 A100 table within 13%)
@@ -51,8 +61,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         _GPU_COMMON,
         peak_name="NVIDIA A100-SXM4-80GB",
         memory_gib=80.0,
-        mem_bw_gbps=2039.0,
+        mem_bw_gbps=2039.0 * ADAM_SHARE,
         elementwise_bw_gbps=1800.0,  # ~90% of the datasheet: what element-wise kernels stream
+        reduction_bw_gbps=1800.0 * REDUCTION_SHARE,
         intra_bw_gbps=235.0,
         inter_bw_gbps=23.0,
         compute_efficiency=0.7,
@@ -68,8 +79,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         **_HOPPER_ATTENTION,
         peak_name="NVIDIA H100 80GB HBM3",
         memory_gib=80.0,
-        mem_bw_gbps=3350.0,
+        mem_bw_gbps=3350.0 * ADAM_SHARE,
         elementwise_bw_gbps=2900.0,
+        reduction_bw_gbps=2900.0 * REDUCTION_SHARE,
         intra_bw_gbps=370.0,
         inter_bw_gbps=48.0,
         compute_efficiency=0.83,
@@ -82,8 +94,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         **_HOPPER_ATTENTION,
         peak_name="NVIDIA H200",
         memory_gib=140.0,
-        mem_bw_gbps=4800.0,
+        mem_bw_gbps=3460.0,
         elementwise_bw_gbps=4300.0,
+        reduction_bw_gbps=2670.0,
         intra_bw_gbps=370.0,
         inter_bw_gbps=48.0,
         compute_efficiency=0.82,
@@ -99,7 +112,10 @@ PROFILES: dict[str, dict[str, Any]] = {
     "cpu": dict(
         peak_name="cpu",
         reserved_gib=0.5,
-        mem_bw_gbps=5.0,
+        # What the optimizer phase streams at on one core: 7.5 GB/s over the 36 bytes an fp32
+        # element planner/cost.py counts (norm, update, zero_grad) is the 5 GB/s over 24 bytes the
+        # earlier count was calibrated with (the foreach update moves more; calibration refits it).
+        mem_bw_gbps=7.5,
         intra_bw_gbps=1.0,
         inter_bw_gbps=0.1,
         intra_latency_us=1400.0,
@@ -109,6 +125,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         gemm_half_dim=16.0,  # one core's blocked matmul saturates early
         # one thread's eager element-wise ops on activations that small micro-batches keep in cache
         elementwise_bw_gbps=20.0,
+        reduction_bw_gbps=20.0,  # the same core: norms and sums as the element-wise ops
         layer_overhead_us=1000.0,
         step_overhead_s=0.01,
         sm_count=0,

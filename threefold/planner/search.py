@@ -56,6 +56,7 @@ KIND_TITLES = {
     "ep": "expert parallelism does not apply",
     "cp": "context parallelism does not apply",
     "devices": "more devices than the cluster has",
+    "placement": "does not place on the topology",
 }
 
 
@@ -154,13 +155,19 @@ def search(
     dtype: str = "bf16",
     pins: dict | None = None,
     keep: int = 50,
+    admit=None,
 ) -> Plan:
-    """Every layout of the cluster's devices for the model and batch; the `keep` fastest that fit."""
+    """Every layout of the cluster's devices for the model and batch; the `keep` fastest that fit.
+    `admit(layout)`: None, or (kind, sentence) rejecting it before it is priced (e.g. the layouts a
+    topology cannot place), so the `keep` fastest are of those it admits."""
     t0 = time.perf_counter()
     space = _LayoutSpace(shape.cfg, cluster, global_batch, pins)
     usable = cluster.usable_bytes
     fits: list[tuple] = []
     for layout in space.layouts():
+        if admit is not None and (why := admit(layout)):
+            space.reject(why[0], layout.as_dict(), why[1])
+            continue
         mem = device_memory(shape, layout, global_batch, dtype)
         if mem.total > usable:
             space.reject("memory", layout.as_dict(), oom_sentence(mem, usable, cluster), score=-mem.total)

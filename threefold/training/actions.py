@@ -216,6 +216,8 @@ class Actions:
         self.asynchronous = bool(c.async_save)
         self.pending: tuple[float, int, int] | None = None  # (code, node, save step) once decided
         self.partition: list[int] | None = None  # rank 0's, for a rebalance
+        self.next_save = None
+        """checkpoint.interval auto: the attempt's cadence (training/cadence.py) says when it saves."""
 
     def after_step(self, step: int, record: dict, diagnosis, report: bool) -> None:
         """Every rank, every step after the diagnosis; collective over the world only on report
@@ -282,7 +284,10 @@ class Actions:
         """The first step from `step` on whose checkpoint is saved (0-based), short of the last
         step (the run ends there anyway); None when none is."""
         c, steps = self.cfg.checkpoint, self.cfg.train.steps
-        due = step + (-(step + 1) % c.interval)
+        if c.interval == "auto":
+            due = self.next_save(step) if self.next_save is not None else steps
+        else:
+            due = step + (-(step + 1) % c.interval)
         return due if due + 1 < steps else None
 
     def _act(self, step: int, code: float, node: int) -> None:

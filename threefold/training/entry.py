@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from threefold.config import Config
 from threefold.distributed.runtime import under_launcher
 from threefold.validate import validate
@@ -32,10 +30,23 @@ def start_workers(cfg: Config, measure_memory: bool = False, callbacks=None):
     from threefold.training.worker import run_worker
 
     if under_launcher():
-        # Started by torchrun (multi-node, Slurm): this process is one worker.
-        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
-        check_faults(cfg.train, int(os.environ["WORLD_SIZE"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-        return run_worker(cfg.to_dict(), measure_memory, callbacks)
+        # Started by torchrun (multi-node, Slurm): this process is one worker, seated in the
+        # round first (training/seats.py): a node beyond the layout's waits as a spare.
+        from threefold.training.seats import release, take_seat, wait_as_spare
+
+        seat = take_seat(cfg)
+        if seat.spare:
+            wait_as_spare(seat, cfg)
+            return None
+        validate(cfg, world_size=seat.world)
+        check_faults(cfg.train, seat.world, seat.attempt)
+        try:
+            result = run_worker(cfg.to_dict(), measure_memory, callbacks, store=seat.store)
+        except BaseException:
+            release(seat, ok=False)
+            raise
+        release(seat, ok=True)
+        return result
     validate(cfg)
     if cfg.train.device == "cuda":
         import torch

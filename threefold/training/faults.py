@@ -16,11 +16,19 @@ list of faults separated by `,`, each `kind:key=value:key=value`:
     nan:step=4                 the loss of step 4 is NaN on every rank (or :rank=R only);
                                :count=N poisons N consecutive steps (once per process)
     corrupt:step=4             after the checkpoint of step 4 is published, flip a byte of its
-                               rank00000.pt (or :file=NAME)
+                               rank00000.pt (or :file=NAME); with :count=N, of the first
+                               checkpoint published in steps 4 to 4 + N - 1
+    ramloss:rank=1:step=5      rank 1's node loses its memory replicas as step 5 begins (its RAM
+                               gone: with kill, a node that came back empty); killnode does too
+    enospc:rank=1:step=5       rank 1's write of the checkpoint saved after step 5 fails with
+                               ENOSPC, as on a full disk (:count=N: the first save in N steps)
+    slow:...:steps=N           (slow only) for N steps from its step, then at full speed again
 
-Steps are 0-based loop indices: `step=5` fires before the sixth optimizer step. Faults that
-would recur forever (kill, hang, nan, corrupt) fire only on the elastic agent's first attempt
-(TORCHELASTIC_RESTART_COUNT = 0), so the restarted job can succeed; the slow kinds (slow,
+Steps are 0-based loop indices: `step=5` fires before the sixth optimizer step. A fault that
+would recur (kill, killnode, hang, nan, corrupt, ramloss, enospc) fires once per run: the rank
+that fires it records it in faults.jsonl with the elastic run's id, and a restarted attempt
+(of the same elastic run, whichever its agent) does not fire it again when it replays that step;
+outside an elastic agent, once per process and only on a first attempt. The slow kinds (slow,
 slowdevice, slowlayer, hotexpert) act on every attempt, as a slow part would.
 
 slowlayer stretches the block itself: module hooks time each forward call and each backward
@@ -33,6 +41,7 @@ expert-load table shows it, and the experts compute what they are routed (a dril
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -45,16 +54,19 @@ from torch import nn
 from threefold.config import TrainConfig
 from threefold.distributed.drills import ENV, KINDS, VALID, Fault, check, parse, spec_of  # noqa: F401 - the drill spec
 from threefold.errors import ConfigError
+from threefold.observe.goodput import read_faults, record_fault
 
 SLOW_KINDS = ("slow", "slowdevice", "slowlayer", "hotexpert")
 """Faults that act on every attempt: a slow part stays slow after a restart."""
+ONCE = ("corrupt", "enospc")
+"""Faults that act at the first save of their window (:count=N steps from their step), once."""
 HOT_SHIFT = 4.0
 """hotexpert: the input shift along the expert's router row, in units of each token's norm (the
 row's logit then beats every other row's by far more than the tokens' own spread)."""
 
-# (run, fault, step) already fired in this process. A rollback rebuilds the training state
-# (and its injector) in the same process; a fault must not fire again on the replayed steps.
-# Keyed by the run (its log directory) so that another run in the same process starts afresh.
+# (run, elastic run, fault, step) already fired in this process. A rollback rebuilds the training
+# state (and its injector) in the same process; a fault must not fire again on the replayed steps.
+# Keyed by the run (its log directory and elastic id): another run in the same process starts afresh.
 _FIRED: set[tuple] = set()
 
 
@@ -64,14 +76,23 @@ class FaultInjector:
     def __init__(self, faults: list[Fault], rank: int, restart_count: int, run: str = ""):
         first = restart_count == 0
         self.rank, self.run = rank, run
+        self.elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
         # Only the kinds that act on a training step (slowlink acts in the comm layer, stack on
         # the fingerprint: threefold/distributed/drills.py); slow ones on every attempt.
         acting = [f for f in faults if f.kind not in ("slowlink", "stack") and f.rank in (None, rank)]
-        self.faults = [f for f in acting if f.kind in SLOW_KINDS or first]
+        self.faults = [f for f in acting if f.kind in SLOW_KINDS or first or self.elastic]
+        # What an earlier attempt of this elastic run fired (faults.jsonl): not again.
+        self.fired = set()
+        if self.elastic and run and any(f.kind not in SLOW_KINDS for f in self.faults):
+            self.fired = {
+                (e["fault"], e["step"]) for e in read_faults(run) if e.get("run") == self.elastic and "fault" in e
+            }
         self.armed = bool(self.faults)
         """Whether any fault concerns this rank: without one a step calls nothing here (RunGuard's
         hooks check this first)."""
         self._poison = False
+        self.lose_memory = lambda: None
+        """Wipes this node's memory replicas (set by the run's RunGuard): ramloss, killnode."""
         self.step = 0
         """The step under way (step_begins): slowlayer's hooks act from their fault's step on."""
 
@@ -83,10 +104,18 @@ class FaultInjector:
         return cls(parse(spec, key), rank, restart_count, run=run)
 
     def _take(self, kind: str, step: int) -> Fault | None:
-        """The fault of `kind` due at `step`, if it has not fired at that step in this process."""
+        """The fault of `kind` due at `step`, if it has not fired at that step in this process or
+        an earlier attempt of the run; recorded in faults.jsonl as it fires (its time first)."""
         for f in self.faults:
-            if f.kind == kind and f.step <= step < f.step + f.count and (self.run, f, step) not in _FIRED:
-                _FIRED.add((self.run, f, step))
+            due = f.step <= step < f.step + f.count
+            # corrupt and enospc act on the first save in their window [step, step + count), once.
+            at = None if kind in ONCE else step
+            key = (self.run, self.elastic, f, at)
+            fired = (repr(f), step) in self.fired or (at is None and repr(f) in {r for r, _ in self.fired})
+            if f.kind == kind and due and key not in _FIRED and not fired:
+                _FIRED.add(key)
+                if self.run:
+                    record_fault(self.run, self.rank, kind, step, run=self.elastic, fault=repr(f))
                 return f
         return None
 
@@ -104,10 +133,13 @@ class FaultInjector:
                 _make_hot(blocks[f.layer], f)
 
     def step_begins(self, step: int, on_fault=lambda fault: None) -> None:
-        """Kill or hang this rank, or arm the NaN hook, as the spec says for `step`.
-        `on_fault` is told first (goodput records when the failure happened)."""
+        """Kill or hang this rank, arm the NaN hook, or wipe the node's memory replicas
+        (`lose_memory`), as the spec says for `step`. `on_fault` is told first."""
         self.step = step
         self._poison = self._take("nan", step) is not None
+        if self._take("ramloss", step) is not None:
+            print(f"threefold: fault injection: ramloss on rank {self.rank}'s node at step {step}", file=sys.stderr)
+            self.lose_memory()
         for kind in ("kill", "killnode", "hang"):
             fault = self._take(kind, step)
             if fault is None:
@@ -115,6 +147,7 @@ class FaultInjector:
             on_fault(fault)
             print(f"threefold: fault injection: {kind} rank {self.rank} at step {step}", file=sys.stderr, flush=True)
             if kind == "killnode":
+                self.lose_memory()  # a lost machine's RAM goes with it
                 kill_node()
             if kind in ("kill", "killnode"):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -125,16 +158,25 @@ class FaultInjector:
         """Stretch this step's compute by the slow factor (sleeping); returns the compute time
         the rank now took. Sleeping before the gradient reduction delays the peers too."""
         for f in self.faults:
-            if f.kind in ("slow", "slowdevice") and step >= f.step:
+            if f.kind in ("slow", "slowdevice") and step >= f.step and not (f.steps and step >= f.step + f.steps):
                 time.sleep(compute_s * (f.factor - 1.0))
                 return compute_s * f.factor
         return compute_s
 
+    def save_error(self, step: int) -> OSError | None:
+        """The error the write of the checkpoint saved after `step` meets on this rank (enospc)."""
+        if self._take("enospc", step) is None:
+            return None
+        print(f"threefold: fault injection: ENOSPC on rank {self.rank} at step {step}", file=sys.stderr, flush=True)
+        return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (fault injection)")
+
     def after_save(self, step: int, directory: Path | None) -> None:
         """Flip one byte in the middle of a file of the published checkpoint of `step` (the
         rank that published it, which alone knows its directory)."""
+        if directory is None:
+            return
         fault = self._take("corrupt", step)
-        if fault is None or directory is None:
+        if fault is None:
             return
         path = directory / fault.file
         data = bytearray(path.read_bytes())

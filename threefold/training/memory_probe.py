@@ -151,6 +151,8 @@ class MemoryProbe:
         self.zero3: dict | None = None
         self._startup: AllocationPeak | None = AllocationPeak(torch.device(device)).start()
         self.startup_peak: int | None = None
+        self.replica: dict | None = None
+        """Memory replicas: host bytes held and a snapshot's stall (checkpoint/replicas.py measure)."""
 
     @contextlib.contextmanager
     def watch(self, chunks: list[nn.Module]):
@@ -189,6 +191,7 @@ class MemoryProbe:
             "measured": {**self.state["measured"], "activations": self.activations},
             "startup_peak": self.startup_peak,
             "zero3_params": self.zero3,
+            "replica": self.replica,
             "predicted": {
                 **self.state["predicted"],
                 "activations": predicted_activation_bytes(cfg, grid, chunks, size),

@@ -29,12 +29,13 @@ from torch import nn
 
 from threefold.checkpoint import choose, load_into, training_state
 from threefold.checkpoint.manifest import step_dir_name
+from threefold.checkpoint.replicas import MemoryReplicas
 from threefold.config import Config
 from threefold.data import GlobalBatchSampler, load_tokens
 from threefold.data.split import training_part
 from threefold.data.tokenizer import check_vocab, open_tokenizer
 from threefold.distributed import failures
-from threefold.distributed.comm import all_reduce_sum
+from threefold.distributed.comm import all_reduce_max, all_reduce_sum
 from threefold.distributed.context_parallel.apply import split_microbatches
 from threefold.distributed.data_parallel import MixedPrecision, build_data_parallel
 from threefold.distributed.data_parallel.state import refresh_params
@@ -50,6 +51,7 @@ from threefold.model.flops import train_flops_per_token
 from threefold.model.sharding import partial_params
 from threefold.observe import device_peak_flops, peak_memory_bytes, write_run_json
 from threefold.observe.diagnose import Diagnosis
+from threefold.observe.goodput import process_start_time
 from threefold.observe.layers import LayerClock
 from threefold.observe.metrics import MetricsWriter
 from threefold.observe.observer import StepObserver
@@ -61,7 +63,8 @@ from threefold.training.expert_load import ExpertLoad
 from threefold.training.loop import TrainingLoop
 from threefold.training.optim import lr_at
 from threefold.training.resilience import RunGuard, continues_run
-from threefold.training.signals import StopSignals, completion_event
+from threefold.training.seating import restart_line
+from threefold.training.signals import Stopped, StopSignals, completion_event
 from threefold.training.status import StatusLine
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -121,11 +124,13 @@ class Trainer:
         stop: StopSignals | None = None,
         callbacks: Callbacks | None = None,
         fingerprint: dict | None = None,
+        preflight_s: float = 0.0,
     ):
         """Build this rank's part of the run and load a checkpoint when checkpoint.resume (or
         init_from) says so; `restarted` (a worker the elastic agent restarted) continues from
-        the newest checkpoint in checkpoint.dir, if there is one yet. `probe` (threefold memory's
-        MemoryProbe) watches each step's activations and measures the model state after the
+        its memory replicas (checkpoint.memory_interval) or the newest checkpoint in
+        checkpoint.dir, if there is one yet. `preflight_s`: how long the worker's pre-flight took.
+        `probe` (threefold memory's MemoryProbe) watches each step's activations and measures the model state after the
         optimizer step. `stop` (training/signals.py): the signals this rank listens to; every rank
         stops after the first step whose read shows one, saves, and raises Stopped. `callbacks`:
         a library user's hooks (training/callbacks.py). `fingerprint`: this rank's stack
@@ -179,6 +184,8 @@ class Trainer:
         self.diagnosis = Diagnosis(cfg, grid, self.is_logger, self.log)  # what the spans show drags
         self.actions = Actions(cfg, grid, self.is_logger, self.log)  # train.on_slow
         self.exporter = Exporter(cfg, grid, self.is_logger)  # log.prometheus_port
+        self.replicas = MemoryReplicas.build(cfg, grid, self.state, device, WorkerEnv.from_environ())
+        self.attempt_start = {"process_start": process_start_time(), "preflight_s": preflight_s}
         self.start_step = self.resume(restarted)
         self.metrics = self.guard = None
         self._open_records()
@@ -210,22 +217,36 @@ class Trainer:
         are functions of the step). Collective: rank 0 picks the checkpoint and every rank loads
         that one, having verified the files it reads (checkpoint/resume.py)."""
         c, world = self.cfg.checkpoint, self.grid.world
-        step, found = 0, None
-        if c.dir and (c.resume == "auto" or restarted):
+        step, found, memory = 0, None, False
+        self.attempt_start["load_start"] = time.time()
+        if world.size > 1 and os.environ.get("TORCHELASTIC_RUN_ID"):
+            # Agents of several nodes may count restarts differently (a node's agent restarts its
+            # workers for the membership change, not for a failure): every rank resumes if any does.
+            flag = torch.tensor([int(restarted)], dtype=torch.int64, device=world.device)
+            restarted = bool(all_reduce_max(flag, world).item())
+        if self.replicas is not None:  # every rank: a replacement node's too (not restarted itself)
+            found = self.replicas.restore(self.state, c.resume == "auto" or restarted, c.dir, warn=self.log)
+            memory, restarted = found is not None, restarted or self.replicas.wanted_anywhere
+        if found is None and c.dir and (c.resume == "auto" or restarted):
             found = choose(self.state, world, root=c.dir, warn=self.log)
             if found is None and c.resume in ("", "auto") and not restarted:
                 self.log(f"threefold: no checkpoint in {c.dir} yet: starting at step 0")
         if found is None and c.resume not in ("", "auto"):
             found = choose(self.state, world, path=c.resume, warn=self.log)
         if found is not None:
-            step = self.load(*found, quiet=restarted)
+            step = self.load(*found, quiet=restarted or memory)
+        self.attempt_start.update(load_end=time.time(), source="memory" if memory else "storage" if found else "none")
+        if memory and not restarted:
+            self.log(f"threefold: resumed at step {step} from memory replicas")
         if restarted:  # the failure and the recovery, in one line (distributed/failures.py)
             # The agent's own limit (torchrun --max-restarts may differ from train.max_restarts).
             of = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", self.cfg.train.max_restarts))
             n = WorkerEnv.from_environ().restart_count
             why = failures.summary(self.cfg.log.dir, n - 1, world.size) if self.is_logger else None
             source = f" from {found[0].name}" if found is not None else " (no checkpoint yet)"
-            self.log(f"threefold: restart {n} of {of}{f' after {why}' if why else ''}; resumed at step {step}{source}")
+            if memory:
+                source = f" from memory replicas ({step_dir_name(step)})"
+            self.log(restart_line(n, of, why, step, source))  # with what the round changed (seating.py)
         if step == 0 and c.init_from:
             weights = [s for s in self.state if s.name.startswith("model/")]
             directory, manifest = choose(weights, world, path=c.init_from, warn=self.log)
@@ -263,10 +284,12 @@ class Trainer:
         (rank 0's choice, on every rank), and the records of a new attempt from its step; False
         when none is there or verifies."""
         c = self.cfg.checkpoint
+        started = time.time()
         found = choose(self.state, self.grid.world, root=c.dir, warn=self.log, at_most=at_most)
         if found is None:
             return False
         self.start_step = self.load(*found)
+        self.attempt_start = {"load_start": started, "load_end": time.time(), "source": "storage"}
         self._open_records(faults=self.guard.faults)
         return True
 
@@ -287,13 +310,26 @@ class Trainer:
             faults=faults,
             on_saved=self.callbacks.checkpoint,
             fingerprint=self.fingerprint,
+            replicas=self.replicas,
+            attempt_start=self.attempt_start,
+            updates=lambda: self.engine.parts[0].optimizer.step_count,
         )
+        self.actions.next_save = self.guard.cadence.next_storage_save  # checkpoint.interval auto
 
     # --- the run ------------------------------------------------------------------------------
     def train(self) -> dict:
         """Steps start_step .. train.steps (training/loop.py); returns the last step's metrics
         record, or with a memory probe every rank's memory rows on rank 0."""
-        last = TrainingLoop(self).run()
+        try:
+            last = TrainingLoop(self).run()
+        except Stopped:  # saved to storage: a later run resumes there, not from these copies
+            if self.replicas is not None:
+                self.replicas.finish()
+            raise
+        if self.replicas is not None:
+            if self.probe:
+                self.probe.replica = self.replicas.measure(last["step"])
+            self.replicas.finish()
         if self.probe:
             return self.probe.gather(self.cfg, self.grid, self.chunks, self.dtype)
         c = self.cfg.checkpoint

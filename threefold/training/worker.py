@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -40,9 +41,10 @@ def _to_stderr(*args, **kwargs) -> None:
     print(*args, **kwargs, file=sys.stderr)
 
 
-def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
+def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None, store=None):
     """Entry point of every worker; returns the last step's metrics (rank 0's are reported), or
-    with `measure_memory` every rank's memory rows (on rank 0) for `threefold memory`."""
+    with `measure_memory` every rank's memory rows (on rank 0) for `threefold memory`. `store`:
+    the launcher's store of a worker seated in an elastic round (training/seats.py)."""
     env = WorkerEnv.from_environ()
     cfg = actions.planned_config(Config.from_dict(cfg_dict), env)  # a rebalance decided by an earlier attempt
     # Listening from the start: a Ctrl-C during start-up stops the run after its first step.
@@ -51,7 +53,7 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
     try:
         # Start-up (building, resuming, the first step's compilation) waits train.startup_timeout_s
         # for the slowest rank; the trainer brings train.timeout_s in after the first step.
-        device = join_group(cfg, env, t.startup_timeout_s)
+        device = join_group(cfg, env, t.startup_timeout_s, store)
         layout = layout_of(cfg)
         layout.check_placement(
             cfg.parallel.devices_per_node or env.local_world_size, cfg.parallel.allow_tp_across_nodes
@@ -68,7 +70,9 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
         )
         give_deadlines(grid, t.timeout_s, t.startup_timeout_s)
         watch = _stall_watch(cfg, grid, env)
+        preflight_started = time.time()
         preflight = _preflight(cfg, grid, device, env)
+        preflight_s = time.time() - preflight_started
         probe = None
         if measure_memory:
             from threefold.training.memory_probe import MemoryProbe
@@ -85,6 +89,7 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None):
             stop=stop,
             callbacks=callbacks,
             fingerprint=preflight.stack.fingerprint,
+            preflight_s=preflight_s,
         ).train()
         shutdown_distributed()
         return result
