@@ -155,6 +155,7 @@ def _device_scale_worker(data: str) -> dict:
     out = {"applied": [], "scales": [], "finite": [], "changed": [], "host_reads": 0}
 
     def flat() -> torch.Tensor:
+        engine.wait_params()  # the previous step's gathers land in the parameters behind the next forward
         return torch.cat([p.detach().float().reshape(-1) for p in engine.params])
 
     for step in range(12):
