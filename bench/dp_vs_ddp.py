@@ -37,9 +37,10 @@ from timing import alternate, cell, feeder, ratio, steps_of  # noqa: E402
 
 
 def _grid():
+    """The grid `threefold train` builds for ZeRO (training/worker.py): the dp group with its all-gather lane."""
     from threefold.distributed.grid import Grid, RankLayout
 
-    return Grid.build(RankLayout(dp=dist.get_world_size()))
+    return Grid.build(RankLayout(dp=dist.get_world_size()), lanes=("dp_cp",))
 
 
 def _threefold(cfg, grid, zero: int, bucket_mb: float, overlap: bool = True, memory: dict | None = None):

@@ -94,6 +94,14 @@ class ParallelConfig:
     )
     allow_tp_across_nodes: bool = knob(False, "Permit a tensor-parallel group to span nodes")
     bucket_mb: float = knob(25.0, "Gradient bucket size in MiB for data-parallel reduction (ZeRO 3 reduces per block)")
+    overlap_param_gather: bool = knob(
+        True,
+        "ZeRO 1/2: each bucket's parameter all-gather starts right after its optimizer update and the next "
+        "forward waits only where it first uses the bucket (false: the whole gather inside the step)",
+    )
+    zero3_prefetch: int = knob(
+        1, "ZeRO 3: blocks gathered ahead of the one computing; at most this + 1 blocks (and the root) whole at once"
+    )
     grad_reduce: str = knob(
         "overlap",
         "When data-parallel gradients are reduced: overlap = bucket by bucket during the "

@@ -152,6 +152,10 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
         what = "model.seq_len" if p.cp == 1 else "seq_len/cp"
         _divides("parallel.sp", what, m.seq_len // p.cp, "parallel.tp", p.tp, "seq_len must split evenly over tp")
     _positive("parallel.bucket_mb", p.bucket_mb)
+    if p.zero3_prefetch < 1:
+        raise ConfigError(
+            "parallel.zero3_prefetch", f"must be >= 1 block ahead, got {p.zero3_prefetch}", "e.g. 1 (default) or 2"
+        )
     if p.grad_reduce == "every" and p.zero < 2:
         raise ConfigError(
             "parallel.grad_reduce",

@@ -214,3 +214,21 @@ def test_exposed_cp_communication_is_named(tmp_path):
     finding, changes = first(path)
     assert finding.category == "cp_comm" and 0.3 < finding.share < 0.5, finding.text()
     assert changes is None and "not hidden behind attention" in finding.text()
+
+
+@pytest.mark.parametrize("waits, recoverable", [(0.04, True), (0.004, False)])
+def test_zero3_gather_waits_prescribe_a_deeper_prefetch_when_it_can_hide_them(tmp_path, waits, recoverable):
+    # ZeRO 3, 4 blocks, one micro-batch: each pass leaves its first block's gather exposed (2.5 ms
+    # each alone: a 20 ms replay over 8 gathers) and a block computes 37.5 ms per pass, so a
+    # prefetch deeper by one leaves 5 ms. Waits of 40 ms are mostly late gathers it absorbs; 4 ms
+    # are the first blocks', which no depth hides.
+    over = {"parallel.dp": 2, "parallel.zero": 3, "model.layers": 4, "train.global_batch": 8, "train.micro_batch": 4}
+    ranks = [work(dp_exposed=waits + 0.02) for _ in range(2)]  # and 20 ms of reduce-scatters
+    path = write_run(tmp_path / "z3", over, ranks, zero3_gather_wait_s=waits, dp_gather_serial_s=0.02)
+    run = load_run(path)
+    found = [f for f in diagnose(summarize(run), run.config, RunPredictor(run.info)) if f.category == "dp_exposed"]
+    assert found and found[0].knobs[0].changes == {"parallel.zero3_prefetch": 2}, found
+    wall = sum(ranks[0].values())
+    saved = waits - 0.005 if recoverable else 0.0
+    assert found[0].recoverable == recoverable
+    assert found[0].knobs[0].gain == pytest.approx(wall / (wall - saved) - 1, rel=1e-6), found[0].text()

@@ -213,3 +213,74 @@ def test_every_rank_resumes_from_rank0s_choice_and_fails_alike(tmp_path):
         assert step == 1 and len(warnings) == 1, o
         assert "skipping checkpoint step_00000002" in warnings[0] and "rank00001.pt: checksum mismatch" in warnings[0]
     assert outs[0]["named"] == outs[1]["named"] and "rank00001.pt: checksum mismatch" in outs[0]["named"], outs
+
+
+OWN_LINE_LAYOUTS = {  # name: (RankLayout kwargs, config)
+    "tp2-dp2-zero0": ({"tp": 2, "dp": 2}, {"parallel.tp": 2, "parallel.dp": 2}),
+    "pp2-dp2-zero1-tied": (
+        {"pp": 2, "dp": 2},
+        {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 1, "model.tie_embeddings": "true"},
+    ),
+}
+
+
+def _own_lines_worker(data: str, root: str) -> dict:
+    """Per layout: a Trainer saves step 2; this rank then chooses and loads that checkpoint into
+    zeroed copies of its slices. What it read of shards.jsonl (tensor lines: every rank's piece)
+    and whether every slice came back."""
+    import torch
+
+    import threefold.checkpoint.manifest as manifest_mod
+    from threefold.checkpoint import LocalTensor, choose, load_into
+    from threefold.distributed.grid import Grid, RankLayout
+    from threefold.distributed.runtime import init_distributed, shutdown_distributed
+    from threefold.training.trainer import Trainer
+
+    from dp_checks import CPU, make_cfg
+
+    init_distributed(CPU, timeout_s=120)
+    tensor_lines: list[str] = []
+    real = manifest_mod.Manifest.read_shards
+
+    def read_shards(self, directory, names):
+        tensor_lines.extend(n for n in set(names) if n in self.tensors and self.tensors[n].shards is None)
+        return real(self, directory, names)
+
+    manifest_mod.Manifest.read_shards = read_shards
+    out = {}
+    for name, (layout, extra) in OWN_LINE_LAYOUTS.items():
+        ckpt = f"{root}/{name}"
+        cfg = make_cfg(data, **{**extra, "train.steps": 2, "checkpoint.dir": ckpt, "checkpoint.interval": 2})
+        grid = Grid.build(RankLayout(**layout))
+        trainer = Trainer(cfg, grid, CPU, log=lambda *args: None)
+        for step in range(2):
+            trainer.train_step(step)
+        trainer.guard.ckpt.save(2, {"optimizer_step": 2})
+        trainer.guard.close()
+        copies = [
+            LocalTensor(t.name, torch.zeros_like(t.tensor), t.global_shape, t.offsets, False, t.source)
+            for t in trainer.state
+        ]
+        tensor_lines.clear()
+        directory, manifest = choose(copies, grid.world, root=ckpt)
+        load_into(copies, directory, manifest)
+        out[name] = {
+            "step": manifest.step,
+            "tensor_lines": sorted(set(tensor_lines)),
+            "loaded": all(torch.equal(c.tensor, t.tensor) for c, t in zip(copies, trainer.state)),
+            "replicas": sum(not t.write for t in trainer.state),
+        }
+    shutdown_distributed()
+    return out
+
+
+def test_resume_in_the_saved_layout_reads_only_owned_lines(data, tmp_path):
+    """Resuming in the layout it saved with, every rank finds its slices in the owned lines of the
+    files that hold them: its own, or the replica's that wrote them (ZeRO 0's dp rank 0, TP rank 0
+    for the norms every TP rank holds, the first stage for the last stage's tied embedding) and
+    reads no tensor line of shards.jsonl; the slices load exactly."""
+    outs = run_ranks(_own_lines_worker, 4, data, str(tmp_path), timeout=300)
+    for rank, out in enumerate(outs):
+        for name, r in out.items():
+            assert r["step"] == 2 and r["loaded"] and r["tensor_lines"] == [], (rank, name, r)
+    assert any(r["replicas"] for out in outs for r in out.values())  # slices written by another rank

@@ -80,7 +80,7 @@ def _state() -> list[LocalTensor]:
     return [
         LocalTensor("model/w", flat[:60].view(6, 10), (12, 10), (6, 0), True),
         LocalTensor("optim/exp_avg/w", flat[60:120].view(6, 10), (12, 10), (6, 0), True),
-        LocalTensor("model/norm", flat[120:130], (10,), (0,), False, True),  # a dp replica's slice
+        LocalTensor("model/norm", flat[120:130], (10,), (0,), False, dp_replica=True),  # a dp replica's slice
         LocalTensor("model/norm", flat[120:130], (10,), (0,), False),  # the same slice again
         LocalTensor("model/b", flat[130:160].to(torch.bfloat16), (30,), (0,), True),
     ]

@@ -298,3 +298,22 @@ def test_composes_with_tensor_and_sequence_parallelism(data, dp_reference):
         within(
             f"engine tp2 sp dp2 zero{z} vs reference loss", max(max_delta(r[z], dp_reference) for r in results), PARITY
         )
+
+
+def test_zero3_keeps_at_most_prefetch_plus_one_blocks_whole():
+    """ZeRO 3's in-flight limit, on the store alone: with prefetch 1 a third block's prefetch
+    waits until a block is freed, then goes; roots are outside the limit."""
+    from threefold.distributed.comm import Group
+    from threefold.distributed.data_parallel.params import ShardedParams
+
+    params = [torch.nn.Parameter(torch.randn(32, 16)) for _ in range(4)] + [torch.nn.Parameter(torch.randn(64))]
+    layout = build_layout([tuple(p.shape) for p in params], 1.0, 4, 1, groups=[[0], [1], [2], [3], [4]])
+    store = ShardedParams(params, layout, torch.float32, Group("dp", [0], None), prefetch=1)
+    store.blocks.update({0, 1, 2, 3})
+    block = layout.buckets[0].numel * 4
+    for b in (4, 0, 1, 2):  # the root, then three blocks ahead
+        store.prefetch(b)
+    assert store.wanted == [2] and store.held_bytes == layout.buckets[4].numel * 4 + 2 * block
+    store.free(0)
+    assert store.wanted == [] and store.state[2] is not None and store.state[0] is None
+    assert store.take_peak_held() == layout.buckets[4].numel * 4 + 2 * block

@@ -110,3 +110,89 @@ def test_fp16_weights_stay_finite_and_the_scale_survives_a_checkpoint(low_precis
     # of 2^20 would overflow and skip again).
     assert [r["loss_scale"] for r in resumed] == [r["loss_scale"] for r in straight[6:]]
     assert [r["step_skipped"] for r in resumed] == [r["step_skipped"] for r in straight[6:]]
+
+
+def _host_rule(overflowed: list[bool], initial: float, window: int) -> tuple[list[bool], list[float]]:
+    """The loss-scale decisions as the host took them before they moved to the device: a step
+    whose gradients overflowed is skipped and the scale halved (never below 1); after `window`
+    clean steps in a row it doubles. Per step: applied, and the scale after the step."""
+    applied, scales, scale, good = [], [], initial, 0
+    for bad in overflowed:
+        if bad:
+            good, scale = 0, max(scale / 2.0, 1.0)
+        else:
+            good += 1
+            if good % window == 0:
+                scale *= 2.0
+        applied.append(not bad)
+        scales.append(scale)
+    return applied, scales
+
+
+OVERFLOW_AT = {0, 3, 4, 9}  # steps whose loss is made infinite (the others overflow only by their scale)
+
+
+def _device_scale_worker(data: str) -> dict:
+    """dp 2, fp16, ZeRO 2, a dynamic scale from 2^20 growing after 2 clean steps: twelve steps of
+    the engine, with an infinite loss injected at OVERFLOW_AT. Per step: whether the device
+    said the step was applied, the scale after it, whether its global norm was finite (read on
+    the host here, after the step) and whether the parameters changed."""
+    import torch.distributed as dist
+
+    from threefold.distributed.data_parallel import DataParallel, MixedPrecision
+    from threefold.distributed.parallelize import build_model
+
+    from dp_checks import CPU, make_cfg, make_grid, open_data
+
+    dist.init_process_group("gloo")
+    cfg = make_cfg(data, **{"parallel.dp": 2})
+    grid = make_grid([0, 1], dist.group.WORLD)
+    model = build_model(cfg, grid, CPU)
+    precision = MixedPrecision.from_names("fp16", "fp16", "dynamic", 2.0**20, 2)
+    engine = DataParallel(model, grid, zero=2, bucket_mb=0.25, precision=precision)
+    tokens, sampler = open_data(cfg)
+    per_step = cfg.train.global_batch * cfg.model.seq_len
+    out = {"applied": [], "scales": [], "finite": [], "changed": [], "host_reads": 0}
+
+    def flat() -> torch.Tensor:
+        engine.wait_params()  # the previous step's gathers land in the parameters behind the next forward
+        return torch.cat([p.detach().float().reshape(-1) for p in engine.params])
+
+    for step in range(12):
+        before = flat()
+        for x, y in sampler.microbatches(tokens.tokens, step, grid.dp_rank, 2, cfg.train.micro_batch):
+            loss = model(x, y) / per_step
+            engine.backward(loss * float("inf") if step in OVERFLOW_AT else loss)
+        engine.finish()
+        norm = engine.grad_norm()
+        applied = engine.step(1e-3, norm, 1.0)
+        engine.zero_grad()
+        out["host_reads"] += not isinstance(applied, torch.Tensor)  # a bool: decided on the host
+        out["applied"].append(bool(applied))
+        out["scales"].append(engine.loss_scale)
+        out["finite"].append(bool(torch.isfinite(norm)))
+        out["changed"].append(not torch.equal(before, flat()))
+    out["skipped"] = int(engine.scaler.skipped)
+    out["optimizer_steps"] = engine.optimizer.step_count
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def test_fp16_scale_decided_on_the_device_matches_the_host_rule(data):
+    """The skip, backoff and regrowth decided on the device (found-inf flag, fused kernel,
+    _amp_update_scale_) are the host's decisions, step for step, on a run that overflows both
+    by its scale and by injected infinite losses; skipped steps leave the parameters and the
+    optimizer's step count untouched, and no decision needed a host read."""
+    from harness import run_ranks
+
+    results = run_ranks(_device_scale_worker, 2, data, timeout=180)
+    assert results[0] == results[1]
+    res = results[0]
+    overflowed = [not f for f in res["finite"]]
+    assert all(overflowed[s] for s in OVERFLOW_AT) and sum(overflowed) > len(OVERFLOW_AT) - 1, overflowed
+    applied, scales = _host_rule(overflowed, 2.0**20, 2)
+    assert res["applied"] == applied and res["scales"] == scales, (res, applied, scales)
+    assert res["changed"] == applied and res["host_reads"] == 0
+    assert res["skipped"] == sum(overflowed) and res["optimizer_steps"] == sum(applied)
+    assert any(b == 2 * a for a, b in zip(scales, scales[1:])), scales  # it regrew

@@ -193,3 +193,35 @@ def test_zero3_startup_holds_the_shard_and_one_unit(data):
         "\nzero 3 start-up peak / (state + one unit): "
         + ", ".join(f"{n} {r['peak'] / (r['state'] + r['unit']):.3f}" for n, r in results[0].items())
     )
+
+
+def test_zero3_parameter_peak_is_shard_root_and_prefetch_plus_one_blocks(cache_dir):
+    """`threefold memory` at dp 2, ZeRO 3: the parameters at their peak over a training step (two
+    micro-batches) are exactly this rank's shard + the root + (parallel.zero3_prefetch + 1)
+    blocks, at prefetch 1 and 2: the in-flight limit holds."""
+    import json
+    import subprocess
+    import sys
+
+    peaks = {}
+    for prefetch in (1, 2):
+        out = subprocess.run(
+            [sys.executable, "-m", "threefold", "memory", "--parallel.dp", "2", "--parallel.zero", "3"]
+            + ["--parallel.zero3_prefetch", str(prefetch), "--model.layers", "6", "--data.cache_dir", cache_dir]
+            + ["--json"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        rows = json.loads(out.stdout)
+        for r in rows:
+            z = r["zero3_params"]
+            assert z["formula"] == f"shard + root + {prefetch + 1} x block", z
+            within(
+                f"rank {r['rank']} prefetch {prefetch}: zero 3 parameter peak - formula [bytes]",
+                abs(z["measured"] - z["predicted"]),
+                0,
+            )
+        peaks[prefetch] = rows[0]["zero3_params"]["measured"]
+    assert peaks[2] > peaks[1]

@@ -100,7 +100,10 @@ def test_the_batch_is_chosen_with_the_nodes(tmp_path, capsys):
     assert chosen.startswith("spares: use 11 nodes, 0 spares, global batch 220 (asked 224): expected "), chosen
     assert "global_batch = 220" in (tmp_path / "run.toml").read_text()
     # The same options computed directly: each count's nearest batch, and the rates they give.
-    cluster = build_cluster({"device": "h100", "nodes": 11, "inter_bw_gbps": 48, "intra_bw_gbps": 370})
+    # (param_gather forward: the plan's for a run's default parallel.overlap_param_gather)
+    cluster = build_cluster(
+        {"device": "h100", "nodes": 11, "inter_bw_gbps": 48, "intra_bw_gbps": 370, "param_gather": "forward"}
+    )
     options = spare_options(SHAPE, cluster, 224, "bf16", Faults(device_mtbf_h=1e7), [0, 1, 2], {"tp": 8, "pp": 1}, 0.05)
     assert [(o.nodes, o.batch) for o in options] == [(11, 220), (10, 220), (9, 225)]
     assert best_option(options) is options[0] and options[0].rate > 1.1 * max(o.rate for o in options[1:])

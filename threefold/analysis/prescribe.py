@@ -173,7 +173,18 @@ def diagnose(summary: dict, config: dict, predictor: Predictor | None = None) ->
         return []
     if wall <= 0:
         return []
-    ctx = _Context(config, predictor, seconds, wall, calls or {}, nbytes or {}, r, summary.get("dp_comm_serial_s"))
+    ctx = _Context(
+        config,
+        predictor,
+        seconds,
+        wall,
+        calls or {},
+        nbytes or {},
+        r,
+        summary.get("dp_comm_serial_s"),
+        summary.get("gather_wait_s"),
+        summary.get("dp_gather_serial_s"),
+    )
     found = [f for f in (cost(ctx) for cost in COSTS) if f is not None and f.share >= MIN_SHARE]
     slow = straggler(ranks, wall) if ranks else None
     if slow is not None:
@@ -193,6 +204,10 @@ class _Context:
     rank: int | None
     dp_serial: float | None = None
     """The step's dp collectives replayed alone, back to back (traced steps; None without)."""
+    gather_wait: float | None = None
+    """Per step, the waits for ZeRO's parameter gathers (zero3_gather_wait_s; None without)."""
+    gather_serial: float | None = None
+    """The step's parameter gathers replayed alone (traced steps' dp_gather_serial_s; None without)."""
 
     def get(self, dotted: str, default=None):
         section, key = dotted.split(".", 1)
@@ -275,7 +290,7 @@ def _dp(ctx: _Context) -> Finding | None:
         saved = exposed * (1 - 1 / max(2.0, calls))
         return found("gradients are reduced only after backward", {"parallel.grad_reduce": "overlap"}, saved)
     if zero == 3:
-        return found("ZeRO-3 parameter gathers and reductions")
+        return _zero3(ctx, exposed)
     bw, fixed = ctx.predictor.link("dp") if ctx.predictor is not None else (None, None)
     # No core to spare (cpu): overlap hides a reduction's wait, not its work.
     shared_cores = getattr(ctx.predictor, "comm_on_compute_cores", False)
@@ -314,6 +329,43 @@ def _dp(ctx: _Context) -> Finding | None:
         )
         return found(why, cost="exposed dp communication (saturated link)")
     return found("neither latency- nor bandwidth-bound: likely waiting for a slower dp peer")
+
+
+def _zero3(ctx: _Context, exposed: float) -> Finding:
+    """ZeRO 3's exposed waits: a deeper prefetch (parallel.zero3_prefetch) when the gathers' waits
+    outlast what the gathers of the blocks, one pass after another, would leave exposed at that
+    depth. Per block, a gather takes g = its replay over the gathers of a step and has N blocks'
+    compute c ahead of it (the step's forward + backward over blocks x passes): a pass leaves its
+    first block's gather exposed and g - N c of each later one (the link's bound when g > N c).
+    The waits above that model at depth N + 1 are what it absorbs (jitter, a gather late behind
+    a slow block); without a traced step's replay the gain is unknown."""
+    cost, depth = "ZeRO-3 parameter gathers and reductions", ctx.get("parallel.zero3_prefetch", 1)
+    wait = min(ctx.gather_wait or 0.0, exposed)
+    if wait <= 0:
+        return ctx.finding(cost, "dp_exposed", why="the gathers are hidden: what is exposed is the reductions")
+    changes = {"parallel.zero3_prefetch": depth + 1}
+    if not ctx.gather_serial:
+        why = f"{1e3 * wait:.1f} ms per step waiting for gathers; no traced step replayed them, gain unknown"
+        return ctx.finding(cost, "dp_exposed", [Knob(changes, None, "spans")], why)
+    pp = max(1, ctx.get("parallel.pp", 1))
+    blocks = max(1, ctx.get("model.layers", 1) // pp)
+    passes = 2 * max(1, ctx.get("parallel.microbatches", 0) or _microbatches(ctx))
+    g = ctx.gather_serial / (passes * blocks)
+    c = (ctx.seconds.get("forward", 0.0) + ctx.seconds.get("backward", 0.0)) / (passes * blocks)
+    model = passes * (g + (blocks - 1) * max(0.0, g - (depth + 1) * c))
+    saved = max(0.0, wait - model)
+    why = (
+        f"{1e3 * wait:.1f} ms per step waiting for gathers ({1e3 * g:.2f} ms each alone, "
+        f"{1e3 * c:.2f} ms of a block's compute per pass); prefetching {depth + 1} ahead leaves about "
+        f"{1e3 * min(wait, model):.1f} ms (each pass's first block, and what the link cannot carry)"
+    )
+    return ctx.finding(cost, "dp_exposed", [ctx.spans_knob(changes, saved)], why)
+
+
+def _microbatches(ctx: _Context) -> int:
+    """Micro-batches per step on a dp rank, from the global batch."""
+    per_rank = ctx.get("train.global_batch", 1) // max(1, ctx.get("parallel.dp", 1))
+    return max(1, per_rank // max(1, ctx.get("train.micro_batch", 1)))
 
 
 def _round_mb(x: float) -> float:

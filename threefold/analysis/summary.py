@@ -123,6 +123,9 @@ def summarize(run: Run) -> dict:
         "comm_bytes": {},
         "dp_comm_serial_s": _mean([r.get("dp_comm_serial_s") for r in run.metrics]),
         "cp_comm_serial_s": _mean([r.get("cp_comm_serial_s") for r in run.metrics]),
+        "dp_gather_serial_s": _mean([r.get("dp_gather_serial_s") for r in run.metrics]),
+        "dp_gather_hidden": _mean([r.get("dp_gather_hidden", {}).get("mean") for r in run.metrics]),
+        "gather_wait_s": _mean([r.get("zero3_gather_wait_s", r.get("param_gather_wait_s")) for r in steady]),
         "cp_hidden": _mean([r.get("cp_hidden", {}).get("mean") for r in run.metrics]),
         "cp_hidden_own": _mean([r.get("cp_hidden_own", {}).get("mean") for r in run.metrics]),
         "per_rank": per_rank(run),
@@ -248,6 +251,11 @@ def format_summary(s: dict) -> str:
                 f"  dp gradient communication: {_ms(s['dp_comm_serial_s'])} if run blocking, "
                 f"{_ms(b['dp_exposed'])} exposed ({_pct(max(0.0, hidden))} hidden; exposed includes "
                 "waiting for a slower dp peer)"
+            )
+        if s.get("dp_gather_hidden") is not None:
+            lines.append(
+                f"  ZeRO parameter gathers: {_ms(s['dp_gather_serial_s'])} if run blocking, "
+                f"{_pct(s['dp_gather_hidden'])} of it hidden (traced steps, mean over ranks)"
             )
         if s.get("cp_hidden") is not None:
             own = s.get("cp_hidden_own")

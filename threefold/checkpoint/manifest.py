@@ -9,12 +9,18 @@
         shards.jsonl          one line per tensor (sorted by name): [[file no, offsets, lengths], ...]
         files.idx             fixed-width records, one per file no: size and sha256 (a rank seeks
                               to the records of the files it reads)
+        owned.jsonl           one line per file no: the shards it holds, [[name, offsets, lengths], ...]
+        owned.idx             fixed-width records, one per file no: where its line lies in owned.jsonl
     <root>/latest             name of the newest complete checkpoint, replaced atomically
 
 A shard is described in global coordinates (offsets and lengths per dimension, as Megatron's
 ShardedTensor does), so loading into another layout is a matter of intersecting slices. A rank
-reads the shard lines of the tensors it holds and the records of the files it reads, never the
-whole table. Format 1 (everything in manifest.json) is still read.
+reads the records of the files it reads, never a whole table. Resuming into the layout it was
+saved from, a rank reads the owned.jsonl lines of the files that hold its slices (its own, or a
+replica's: `read_for`): O(its own shards), whatever tp x dp; a tensor line of shards.jsonl lists
+every rank's piece of that tensor (O(tp x dp) under ZeRO) and is read only for what those lines
+do not cover (another layout: resharding). Format 1 (everything in manifest.json), and format 2
+without the owned tables, are still read.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ from threefold.errors import UserError
 FORMAT = "threefold-checkpoint/2"
 LEGACY = "threefold-checkpoint/1"
 MANIFEST, SHARDS, FILES = "manifest.json", "shards.jsonl", "files.idx"
+OWNED, OWNED_INDEX = "owned.jsonl", "owned.idx"
 LATEST = "latest"
 RECORD = 86  # one files.idx record: 20-digit size, space, 64 hex digits of sha256, newline
+OWNED_RECORD = 42  # one owned.idx record: 20-digit offset, space, 20-digit length, newline
 
 
 class CheckpointError(UserError):
@@ -141,6 +149,45 @@ class Manifest:
         except (OSError, ValueError, TypeError) as err:
             raise CheckpointError(f"{path}: unreadable shard table ({err})") from None
 
+    def read_for(self, directory: Path, tensors) -> None:
+        """Fill the shard lists `tensors` (LocalTensors: name, offsets, lengths, source) are loaded
+        from. Where the owned tables exist and a tensor names its `source` (the rank whose file
+        holds that slice in this run's layout), the owned lines of those files come first: each
+        tensor they cover whole gets just the shards that cover it. The rest take their tensor
+        lines (read_shards: every piece of the tensor)."""
+        sources = {t.source for t in tensors if getattr(t, "source", None) is not None}
+        todo = [t for t in tensors if t.name in self.tensors and self.tensors[t.name].shards is None]
+        if sources and OWNED_INDEX in self.index and todo:
+            found: dict[str, list[Shard]] = {}
+            for no, rows in self._read_owned(directory, sorted(sources)):
+                for name, offsets, lengths in rows:
+                    found.setdefault(name, []).append(Shard(file_name(no), shard_key(name, offsets), offsets, lengths))
+            chosen: dict[str, dict[str, Shard]] = {}  # name -> {shard key: shard}
+            covered: dict[str, bool] = {}
+            for t in todo:
+                mine = [s for s in found.get(t.name, []) if _meet(s, t)]
+                whole = sum(_meet(s, t) for s in mine) == _volume(t.lengths)  # shards never overlap
+                covered[t.name] = covered.get(t.name, True) and whole
+                chosen.setdefault(t.name, {}).update((s.key, s) for s in mine)
+            for name, shards in chosen.items():
+                if covered[name]:
+                    self.tensors[name].shards = list(shards.values())
+        self.read_shards(directory, [t.name for t in todo])
+
+    def _read_owned(self, directory: Path, numbers: list[int]):
+        """(file no, its owned line's rows) for each of `numbers`: two seeks each."""
+        try:
+            with open(directory / OWNED_INDEX, "rb") as index, open(directory / OWNED, "rb") as table:
+                for no in numbers:
+                    if not 0 <= no < self.count:
+                        raise ValueError(f"no record of {file_name(no)} ({self.count} files)")
+                    index.seek(no * OWNED_RECORD)
+                    offset, length = map(int, index.read(OWNED_RECORD).split())
+                    table.seek(offset)
+                    yield no, json.loads(table.read(length))
+        except (OSError, ValueError, TypeError) as err:
+            raise CheckpointError(f"{directory}: unreadable owned tables ({err})") from None
+
     def read_files(self, directory: Path, names) -> None:
         """Fill the records (size, sha256) of the files `names` from files.idx."""
         todo = sorted(file_number(n) for n in set(names) if n not in self.files)
@@ -159,10 +206,28 @@ class Manifest:
             raise CheckpointError(f"{path}: unreadable file table ({err})") from None
 
 
-def build(step: int, config: dict, layout: dict, extra: dict, reports: list[dict]) -> tuple[Manifest, str, str]:
-    """The manifest and the text of shards.jsonl and files.idx from every rank's report (in rank
-    order: report i describes rank{i}.pt): {"bytes", "sha256", "shards": [(name, shape, dtype,
-    offsets, lengths), ...]}. Rank 0's O(world) work, once per save."""
+def _meet(shard: Shard, t) -> int:
+    """Elements a shard and a local slice share."""
+    n = 1
+    for a, la, b, lb in zip(shard.offsets, shard.lengths, t.offsets, t.lengths):
+        n *= max(0, min(a + la, b + lb) - max(a, b))
+    return n
+
+
+def _volume(lengths) -> int:
+    n = 1
+    for x in lengths:
+        n *= x
+    return n
+
+
+def build(
+    step: int, config: dict, layout: dict, extra: dict, reports: list[dict]
+) -> tuple[Manifest, dict[str, str], str]:
+    """The manifest, the text of the shard tables (shards.jsonl, owned.jsonl and owned.idx, by
+    name) and of files.idx from every rank's report (in rank order: report i describes
+    rank{i}.pt): {"bytes", "sha256", "shards": [(name, shape, dtype, offsets, lengths), ...]}.
+    Rank 0's O(world) work, once per save."""
     found: dict[str, tuple] = {}
     for no, report in enumerate(reports):
         for name, shape, dtype, offsets, lengths in report["shards"]:
@@ -178,13 +243,21 @@ def build(step: int, config: dict, layout: dict, extra: dict, reports: list[dict
         lines.append(line)
         at += len(line)
     files = "".join(f"{r['bytes']:020d} {r['sha256']}\n" for r in reports)
-    return Manifest(step, config, layout, tensors, {}, extra, FORMAT, len(reports)), "".join(lines), files
+    owned, records, at = [], [], 0
+    for report in reports:
+        rows = [[name, list(offsets), list(lengths)] for name, _, _, offsets, lengths in report["shards"]]
+        line = json.dumps(rows, separators=(",", ":")) + "\n"
+        owned.append(line)
+        records.append(f"{at:020d} {len(line):020d}\n")
+        at += len(line)
+    tables = {SHARDS: "".join(lines), OWNED: "".join(owned), OWNED_INDEX: "".join(records)}
+    return Manifest(step, config, layout, tensors, {}, extra, FORMAT, len(reports)), tables, files
 
 
-def write_tables(directory: Path, manifest: Manifest, shards: str, files: str) -> None:
-    """shards.jsonl and files.idx (fsynced), their sizes and checksums into the manifest, then
-    manifest.json, atomically: a directory with a manifest has its tables."""
-    for name, text in ((SHARDS, shards), (FILES, files)):
+def write_tables(directory: Path, manifest: Manifest, shards: dict[str, str], files: str) -> None:
+    """The shard tables (`shards`, by name) and files.idx (fsynced), their sizes and checksums
+    into the manifest, then manifest.json, atomically: a directory with a manifest has its tables."""
+    for name, text in (*shards.items(), (FILES, files)):
         data = text.encode()
         with open(directory / name, "wb") as f:
             f.write(data)

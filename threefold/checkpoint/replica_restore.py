@@ -37,6 +37,8 @@ from threefold.checkpoint.manifest import (
     FILES,
     FORMAT,
     MANIFEST,
+    OWNED,
+    OWNED_INDEX,
     SHARDS,
     CheckpointError,
     Manifest,
@@ -51,7 +53,9 @@ from threefold.checkpoint.replica_store import DATA, Replica, invalidate, map_by
 from threefold.distributed import comm
 from threefold.distributed.runtime import patient
 
-TABLES = (SHARDS, FILES, MANIFEST)
+TABLES = (SHARDS, OWNED, OWNED_INDEX, FILES, MANIFEST)
+"""A replica's tables, sent with its data file (the manifest, which indexes and checksums the
+others, last: every table it names must come with it)."""
 
 
 def restore(replicas, state, wanted: bool, storage_root: str, warn=print) -> tuple[Path, Manifest] | None:
@@ -120,8 +124,9 @@ def _restore(replicas, state, world, wanted, storage_root, warn):
         error = str(err)
     failed = _numbers([rank + 1 if error else 0], world, device)[0]
     if failed:
-        if failed == rank + 1:
-            warn(f"threefold: memory replicas of step {step} do not verify ({error}); reading storage")
+        # The failing rank says why; the others (the logger among them) say which rank failed.
+        why = f" ({error})" if failed == rank + 1 else ""
+        warn(f"threefold: rank {failed - 1}'s memory replicas of step {step} do not verify{why}; reading storage")
         return None
     return found[0], found[1]
 

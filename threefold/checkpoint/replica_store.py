@@ -33,6 +33,8 @@ from threefold.checkpoint.io import report_shards
 from threefold.checkpoint.manifest import (
     FILES,
     MANIFEST,
+    OWNED,
+    OWNED_INDEX,
     SHARDS,
     CheckpointError,
     Manifest,
@@ -127,7 +129,7 @@ class NodeStore:
 
 def invalidate(directory: Path) -> None:
     """Unpublish a slot before overwriting it: the manifest first, then the tables."""
-    for name in (MANIFEST, SHARDS, FILES):
+    for name in (MANIFEST, SHARDS, OWNED, OWNED_INDEX, FILES):
         (directory / name).unlink(missing_ok=True)
 
 

@@ -5,10 +5,11 @@
 
 The group's first rank lists the candidates and reads the small manifest (and checks the shard
 and file tables: O(world) bytes, once per resume); one broadcast gives every rank the directory
-and the manifest. Each rank then reads the shard lines of the tensors it holds and hashes only
-the files its slices are loaded from. One all-reduce tells whether any rank failed, and the first
-failing rank's message is broadcast, so every rank skips the same checkpoint (with `root`) or
-raises the same error line: no rank decides alone, so ranks cannot start at different steps.
+and the manifest. Each rank then reads the owned lines of the files its slices come from (or,
+resharding, the shard lines of the tensors it holds) and hashes only those files. One all-reduce
+tells whether any rank failed, and the first failing rank's message is broadcast, so every rank
+skips the same checkpoint (with `root`) or raises the same error line: no rank decides alone,
+so ranks cannot start at different steps.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _check_mine(tensors: list[LocalTensor], directory: Path, manifest: Manifest)
     """This rank's verdict: None, or (error line, fatal). A checkpoint of another model is fatal
     (an older one will not fit either); a missing or corrupted file is not."""
     try:
-        manifest.read_shards(directory, {t.name for t in tensors})
+        manifest.read_for(directory, tensors)
     except CheckpointError as err:
         return str(err), False
     try:

@@ -23,6 +23,10 @@ class LocalTensor:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     write: bool
+    source: int | None = None
+    """The rank whose file holds this slice when the checkpoint was saved in this run's layout
+    (this rank where it writes it, else the replica that does): a resume reads that file's line
+    of the owned table instead of the tensor's line of every piece (manifest.read_for)."""
     dp_replica: bool = False
     """A slice every dp replica holds whole (ZeRO 0), not written here only because dp rank 0
     writes it: a memory replica of this rank stands for dp rank 0's (checkpoint/replicas.py)."""
@@ -71,6 +75,13 @@ def _engine_state(engine, names: dict, grid) -> list[LocalTensor]:
     # Replicas of a slice: the engine's group (dp, or expert_dp for experts, which spans tp),
     # plus the TP ranks of a tensor the TP ranks all hold whole (when the group leaves tp out).
     tp_replicated = grid.tp.size > 1 and not set(grid.tp.ranks) <= set(engine.group.ranks)
+    # Who writes a slice this rank holds: ranks are sums of coordinate x stride, so each replica
+    # rule moves this rank by the offset to its group's first member (ZeRO 0: dp rank 0; a tensor
+    # every TP rank holds whole: TP rank 0; the last stage's tied copy: the first stage's rank).
+    me = grid.global_rank
+    replica = engine.group.ranks[0] - me if engine.zero == 0 else 0
+    tp_first = grid.tp.ranks[0] - me if tp_replicated else 0
+    first_stage = grid.embed.ranks[0] - me if grid.embed is not None else 0
     out = []
     for piece in owned_pieces(engine):
         name, spec, alias, group = names[id(piece.param)]
@@ -83,8 +94,13 @@ def _engine_state(engine, names: dict, grid) -> list[LocalTensor]:
         tp_sharded = spec is not None and group == "tp"
         ours = (tp_sharded or not tp_replicated or grid.tp_rank == 0) and not alias
         write = (engine.zero >= 1 or engine.group.rank == 0) and ours
+        source = me + replica + (0 if tp_sharded else tp_first) + (first_stage if alias else 0)
         for kind, tensor in piece.tensors.items():
-            out.append(LocalTensor(f"{KINDS[kind]}/{name}", tensor, full, tuple(offsets), write, ours and not write))
+            out.append(
+                LocalTensor(
+                    f"{KINDS[kind]}/{name}", tensor, full, tuple(offsets), write, source, dp_replica=ours and not write
+                )
+            )
     return out
 
 

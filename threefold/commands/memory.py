@@ -53,6 +53,13 @@ def format_rows(rows: list[dict], title: str) -> str:
             + "  ".join(cells)
             + f"  {_size(total_m):>10} / {total_p_cell:>10} {ratio:>6.3f} {_size(r.get('startup_peak')):>12}"
         )
+    zero3 = [r for r in rows if r.get("zero3_params")]
+    for r in zero3:
+        z = r["zero3_params"]
+        lines.append(
+            f"{r['rank']:>4} zero 3 parameters at their peak: {_size(z['measured'])} / {_size(z['predicted'])} "
+            f"({z['formula']}; ratio {z['measured'] / z['predicted']:.3f})"
+        )
     if any(r["predicted"]["activations"] is None for r in rows):
         lines.append("activations: '-' = no formula for MoE layers (measured only; ratio over the other columns)")
     lines.append("startup peak: most tensor bytes held at once while the model and engine were built (measured)")
@@ -111,7 +118,9 @@ def memory_command(argv: list[str]) -> int:
         f"threefold memory: {cfg.model.preset}, tp {p.tp} x pp {p.pp} x dp {p.dp}"
         + (f" (ep {p.ep})" if p.ep > 1 else "")
         + (f" x cp {p.cp} ({p.cp_impl})" if p.cp > 1 else "")
-        + f", zero {p.zero}, schedule {p.schedule}, "
+        + f", zero {p.zero}"
+        + (f" (prefetch {p.zero3_prefetch})" if p.zero == 3 else "")
+        + f", schedule {p.schedule}, "
         f"micro-batches {p.microbatches} x {cfg.train.micro_batch}, recompute {cfg.train.recompute}"
     )
     print(format_rows(rows, title))

@@ -33,6 +33,7 @@ PIN_KEYS = {
     "parallel.ep": "ep",
     "parallel.cp": "cp",
     "parallel.cp_impl": "cp_impl",
+    "parallel.zero3_prefetch": "zero3_prefetch",
     "train.micro_batch": "mbs",
     "train.recompute": "recompute",
 }
@@ -142,6 +143,7 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
     from threefold.planner.faults import advise, build_faults
     from threefold.planner.layout import parse_layout, structural_reason
     from threefold.planner.model import model_shape
+    from threefold.planner.overlap import param_gather
     from threefold.planner.predict import predict
     from threefold.planner.search import Plan, oom_sentence, search
     from threefold.planner.validation import split_note
@@ -165,6 +167,8 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
             cluster_pairs = [*cluster_pairs, (key, getattr(cfg.parallel, key))]
     if cfg.train.grad_reduce_dtype in ("bf16", "fp16") and "grad_reduce" not in named:
         cluster_pairs = [*cluster_pairs, ("grad_reduce", "16bit")]  # the run's reduction, unless --cluster says
+    if "param_gather" not in named:  # ZeRO 1/2's gather as the engine runs it (parallel.overlap_param_gather)
+        cluster_pairs = [*cluster_pairs, ("param_gather", param_gather(cfg.parallel.overlap_param_gather))]
     topo = admit = None
     if args.topology:
         from threefold.planner.placement_plan import cluster_pairs as topology_pairs

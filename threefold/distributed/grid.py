@@ -202,10 +202,45 @@ def _delays_in(ranks: list[int], rank: int, link_delays) -> dict[int, float]:
     return out
 
 
+def _lanes(layout: RankLayout, rank: int, names, groups: dict[str, Group], timeout) -> dict[str, Group]:
+    """A second communicator over the same ranks as each group of `names` (all ranks call this,
+    in one order): the parameter all-gathers' lane beside the gradient reductions' (FSDP2's
+    separate all-gather and reduce-scatter streams). On NCCL a communicator has its own stream,
+    on gloo its own queue and connections, so a prefetch never waits behind a reduction already
+    in flight. One split per name where the job's group can be split, else one new_group per
+    group of that name. Its traffic counts on the group's stats; its operations are numbered on
+    its own OpLog (a communicator's sequence)."""
+    out: dict[str, Group] = {}
+    split = comm.can_split()
+    for name in names:
+        group = groups[name]
+        if group.size == 1:
+            continue
+        lists = [g for g in layout.groups(GROUP_DIMS[name]) if len(g) > 1]
+        if split:
+            pg = comm.split_group(lists, timeout=timeout)
+        else:
+            pg = None
+            for ranks in lists:
+                made = comm.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    pg = made
+        out[name] = Group(
+            f"{name}:gather",
+            group.ranks,
+            pg,
+            stats=group.stats,
+            device=group.device,
+            span_category=group.span_category,
+            link_delays=group.link_delays,
+        )
+    return out
+
+
 class Grid:
     """This rank's coordinates and process groups. Build once after init_process_group."""
 
-    def __init__(self, layout: RankLayout, rank: int, groups: dict[str, Group]):
+    def __init__(self, layout: RankLayout, rank: int, groups: dict[str, Group], lanes: dict[str, Group] | None = None):
         self.layout, self.global_rank = layout, rank
         c = layout.coords(rank)
         self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = c["tp"], c["cp"], c["dp"], c["pp"]
@@ -217,18 +252,26 @@ class Grid:
         self.expert_dp = groups["expert_dp"]
         self.embed = groups.get("embed")  # None on ranks between the first and last stage
         self.world = groups["world"]
+        self.lanes = dict(lanes or {})
+        """Group name -> its all-gather lane (`_lanes`), for the groups built with one."""
+
+    def lane(self, group: Group) -> Group:
+        """The all-gather lane of `group`: its second communicator when the grid was built with
+        one (Grid.build's `lanes`), else the group itself (one queue for both)."""
+        return self.lanes.get(group.name, group)
 
     @classmethod
-    def alone(cls, rank: int = 0, **groups: Group) -> Grid:
+    def alone(cls, rank: int = 0, lanes: dict[str, Group] | None = None, **groups: Group) -> Grid:
         """A grid in which this rank is alone in every group (no process groups), but for the
-        `groups` given: a model or engine built by one process, or on a sub-group of a job."""
+        `groups` given (and their `lanes`, by group name): a model or engine built by one
+        process, or on a sub-group of a job."""
         names = ["world", *RankLayout().group_lists()]
         every = {n: Group(n, [rank], None) for n in names}
         every.update(groups)
         if "dp_cp" not in groups:  # without cp the gradient replicas are the dp group
             every["dp_cp"] = every["dp"]
         layout = RankLayout(dp=every["dp"].size, tp=every["tp"].size, cp=every["cp"].size)
-        return cls(layout, rank, every)
+        return cls(layout, rank, every, lanes)
 
     @classmethod
     def build(
@@ -237,13 +280,15 @@ class Grid:
         timeout: timedelta | None = None,
         device: torch.device | str = "cpu",
         link_delays: tuple[tuple[int, int, float], ...] = (),
+        lanes: tuple[str, ...] = (),
     ) -> Grid:
         """Create every group (all ranks must call this, in the same order). `timeout` bounds
         each collective on the sub-groups (torch would give them its own default, not the
         world group's): a hung peer becomes an error instead of a wait of half an hour.
         `device`: where the groups communicate (the run's device). `link_delays`: the slowlink
         drill, (rank a, rank b, seconds) per delayed link (`slowlink_delays` of the drill spec):
-        on a and b, each group holding both waits that long before exchanging (comm.py)."""
+        on a and b, each group holding both waits that long before exchanging (comm.py).
+        `lanes`: names of groups that also get an all-gather lane (`_lanes`; ZeRO's "dp_cp")."""
         rank, world = comm.global_rank(), comm.world_size()
         device = torch.device(device)
         if layout.world_size != world:
@@ -261,12 +306,13 @@ class Grid:
             group.link_delays = _delays_in(group.ranks, rank, link_delays)
         if layout.cp == 1:  # the same replicas: the same object, so its traffic is counted as dp's
             groups["dp_cp"] = groups["dp"]
-        return cls(layout, rank, groups)
+        names = sorted({groups[n].name for n in lanes})  # dp_cp is the dp group without cp
+        return cls(layout, rank, groups, _lanes(layout, rank, names, groups, timeout))
 
     @property
     def groups(self) -> dict[str, Group]:
-        """Every group this rank belongs to, by name."""
-        return dict(self._groups)
+        """Every group this rank belongs to, by name (all-gather lanes as "<name>:gather")."""
+        return {**self._groups, **{lane.name: lane for lane in self.lanes.values()}}
 
     def reset_stats(self) -> None:
         """Forget the communication recorded so far on every group."""

@@ -21,8 +21,10 @@ number of columns whatever the world size. The observer's own gathers fall betwe
 two steps and are counted in neither. On the steps in log.trace_steps the ranks' spans go to the
 logging rank (one gather of Python objects) and into trace.json, and the blocking cost of the
 step's data-parallel collectives is measured by replaying them (`dp_comm_serial_s`), and so is
-that of the context-parallel ring's exchanges (`cp_comm_serial_s`, with `cp_hidden`: the fraction
-of it that the step did not wait for), outside the timed step.
+that of ZeRO's parameter all-gathers (`dp_gather_serial_s`, with `dp_gather_hidden`: one minus the
+traced step's waits for them, its "zero-1/2 gather" and "zero-3 gather" spans, over that replay,
+per rank) and of the context-parallel ring's exchanges (`cp_comm_serial_s`, with `cp_hidden`: the
+fraction of it that the step did not wait for), outside the timed step.
 """
 
 from __future__ import annotations
@@ -45,9 +47,17 @@ GROUPS = ("tp", "cp", "pp", "dp", "ep", "edp", "expert_dp", "embed", "world")
 "dp" is where dense gradients are reduced: the dp group, or dp x cp under context parallelism."""
 
 _UNTIMED = contextlib.nullcontext()
-_HEAD = 5
+_HEAD = 7
 """A rank's summed row opens with wall, dp replay, cp replay, the traced step's cp wait and that
-wait once the peers had posted, then the categories' seconds, then each group's bytes and calls."""
+wait once the peers had posted, the parameter gathers' replay and the traced step's waits for
+them, then the categories' seconds, then each group's bytes and calls."""
+
+
+def _gather_waits(events: list) -> float:
+    """Seconds a traced step's spans waited for ZeRO's parameter gathers."""
+    from threefold.distributed.data_parallel.gather import LABELS
+
+    return sum(duration for category, label, _, duration, _ in events if category == "dp_exposed" and label in LABELS)
 
 
 class _Phase:
@@ -147,7 +157,7 @@ class StepObserver:
 
     def attach(self, chunks, engine=None) -> None:
         """Time activation recomputation, the tensor-, context- and expert-parallel collectives of these
-        chunks, and ZeRO-3's parameter gathers (their exposed wait) when `engine` shards parameters."""
+        chunks, and ZeRO's parameter gathers (their exposed wait) when `engine` shards optimizer state."""
         # None detaches a recorder a previous run left on the grid.
         self.grid.tp.spans = self.grid.cp.spans = self.grid.ep.spans = self.recorder
         if self.recorder is None:
@@ -155,6 +165,8 @@ class StepObserver:
         for part in engine.parts if engine is not None else []:  # MoE: dense + experts
             if part.zero == 3:
                 part.store.spans = self.recorder
+            elif getattr(part, "param_gather", None) is not None:  # ZeRO 1/2: the next forward's waits
+                part.param_gather.spans = self.recorder
         for chunk in chunks:
             for module in chunk.modules():
                 if getattr(module, "recomputed", False):
@@ -192,10 +204,11 @@ class StepObserver:
         # report step: the sums then cover the same steps as the counts.
         timelines = self.recorder.end_step_late(flush=report or tracing)
         serial = engine.time_serial_comm(repeats=1) if tracing and engine is not None else 0.0
+        gather_serial = engine.time_serial_gather(repeats=1) if tracing and engine is not None else 0.0
         cp_serial, cp_own = self._replay_cp() if tracing else (0.0, -1.0)
         counts = [now - then for now, then in zip(self._counts(), self._counts0)]  # bytes..., calls...
         self.links.end_step(flush=report or tracing)
-        mine = [0.0, serial, cp_serial, 0.0, cp_own, *([0.0] * len(CATEGORIES)), *counts]
+        mine = [0.0, serial, cp_serial, 0.0, cp_own, gather_serial, 0.0, *([0.0] * len(CATEGORIES)), *counts]
         for timeline in timelines:
             mine[0] += timeline.wall_s
             for i, c in enumerate(CATEGORIES):
@@ -210,8 +223,9 @@ class StepObserver:
         means = torch.cat([means, torch.tensor(self.links.probe(), dtype=torch.float64)])
         # The replays are measured on this (traced) step only, not means; so is the exposed cp
         # wait they are compared with.
-        means[1], means[2], means[4] = serial, cp_serial, cp_own
+        means[1], means[2], means[4], means[5] = serial, cp_serial, cp_own, gather_serial
         means[3] = timelines[-1].seconds["cp_comm"] if tracing else 0.0
+        means[6] = _gather_waits(timelines[-1].events) if tracing else 0.0
         self._sums, self._steps_summed = None, 0
         world = self.grid.world
         link, world.link = world.link, None  # the report's own gather is no step's communication
@@ -250,6 +264,7 @@ class StepObserver:
     def _write(self, rows: torch.Tensor, per_rank: list | None, steps: int) -> dict:
         n, g = len(CATEGORIES), len(GROUPS)
         wall, serial, cp_serial, cp_exposed, cp_own = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4]
+        gather_serial, gather_waits = rows[:, 5], rows[:, 6]
         h, w = _HEAD, self.links.width
         seconds, nbytes, calls = rows[:, h : h + n], rows[:, h + n : h + n + g], rows[:, h + n + g : -w]
         links = rows[:, -w:].tolist()
@@ -295,6 +310,12 @@ class StepObserver:
         }
         if per_rank is not None:
             fields["dp_comm_serial_s"] = float(serial.max())
+        if per_rank is not None and float(gather_serial.min()) > 0:
+            # Each rank's waits for its parameter gathers against its own replay of them.
+            hidden = (1 - gather_waits / gather_serial).clamp(0.0, 1.0)
+            fields["dp_gather_serial_s"] = float(gather_serial.max())
+            fields["dp_gather_exposed_s"] = float(gather_waits.max())
+            fields["dp_gather_hidden"] = {"mean": float(hidden.mean()), "min": float(hidden.min())}
         if per_rank is not None and float(cp_serial.min()) > 0:
             # Each rank's exposed wait against its own replay; the wait also holds any time spent
             # on a slower cp peer, so the fraction is a lower bound of what the overlap hid.

@@ -59,15 +59,15 @@ class QueuedStep:
     started: float
     """perf_counter() when the host began the step."""
     scalars: torch.Tensor
-    """fp64 on the run's device: the loss sum over the world, the gradient norm, applied, then
-    the health vector reduced over the world (flags, then the slowest rank's values)."""
+    """fp64 on the run's device: the loss sum over the world, the gradient norm, applied, the
+    loss scale after the step (decided on the device), then the health vector reduced over the
+    world (flags, then the slowest rank's values)."""
     tp_comm_bytes: int
     timers: dict
     """The step's exposed-communication timers (distributed/timer.py) by metric name, each a list (one
     per engine), unread: on CUDA a read waits for the device, so read_step reads them."""
     schedule: object
     """The schedule's timers (the pipeline executor's PipelineStats), unread, as `timers`."""
-    loss_scale: float
     extra: dict = field(default_factory=dict)
     """Fields the step's record gets besides StepResult's (expert load, held-out loss)."""
 

@@ -299,7 +299,13 @@ def _dp_exposed(kind: str, part: Terms, cluster: Cluster, bucket_share: float, w
         if cluster.param_gather != "forward":
             return 1.0
         return exposed_share(total, w.forward, bucket_share * total)
-    return exposed_share(total, w.step, total / max(1, w.blocks))
+    # ZeRO 3 on two lanes (params.py): the gathers run ahead of the compute on their own
+    # communicator, the first block of each pass exposed; the reduce-scatters, on the other,
+    # behind backward, the last block's exposed. Neither waits behind the other's queue; a
+    # deeper prefetch (zero3_prefetch) buys memory for jitter this model does not have.
+    if kind == "block_gathers":
+        return exposed_share(total, w.step, total / max(1, w.blocks))
+    return exposed_share(total, max(0.0, w.backward - w.shared), total / max(1, w.blocks))
 
 
 def gradient_sync(
@@ -308,11 +314,16 @@ def gradient_sync(
     """{kind: (bytes, latency steps, collective calls)} one rank pays to synchronise `numel`
     parameters over `n` replicas (the buckets' calls counted as one: they overlap each other):
     "reduce" the gradients' all-reduce or reduce-scatter, "gather" ZeRO-1/2's parameter
-    all-gather after the step, "blocks" ZeRO-3's per-block gathers and reduce-scatters."""
+    all-gather after the step, "block_gathers" and "block_reduce" ZeRO-3's per-block gathers (twice
+    per micro-batch) and reduce-scatters, on their two lanes."""
     ring = (n - 1) / n
     if zero == 0:
         return {"reduce": (2 * ring * numel * kg, latency_steps(n, link, 2 * (n - 1)), 1)}
     if zero in (1, 2):
         steps = latency_steps(n, link, n - 1)
         return {"reduce": (ring * numel * kg, steps, 1), "gather": (ring * numel * kp, steps, 1)}
-    return {"blocks": (ring * numel * (kg + 2 * m * kp), (1 + 2 * m) * latency_steps(n, link, n - 1), 1 + 2 * m)}
+    steps = latency_steps(n, link, n - 1)
+    return {
+        "block_gathers": (ring * numel * 2 * m * kp, 2 * m * steps, 2 * m),
+        "block_reduce": (ring * numel * kg, steps, 1),
+    }

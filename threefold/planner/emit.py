@@ -37,6 +37,7 @@ _ALWAYS = {
         "cp_impl",
         "sp",
         "zero",
+        "zero3_prefetch",
         "ep",
         "vpp",
         "schedule",
@@ -72,6 +73,7 @@ def layout_config(
     p.dp, p.tp, p.pp, p.sp, p.zero, p.ep = layout.dp, layout.tp, layout.pp, layout.sp, layout.zero, layout.ep
     p.vpp, p.schedule = layout.vpp, layout.schedule
     p.cp, p.cp_impl = layout.cp, layout.cp_impl
+    p.zero3_prefetch = layout.zero3_prefetch
     p.microbatches = 0  # let train derive it from global_batch / (dp * micro_batch)
     p.devices_per_node, p.allow_tp_across_nodes = devices_per_node, allow_tp_across_nodes
     t.micro_batch, t.recompute = layout.mbs, layout.recompute

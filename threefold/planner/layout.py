@@ -32,6 +32,8 @@ class Layout:
     """Context parallelism: each sequence split over cp ranks (their own devices, beside dp)."""
     cp_impl: str = "ring"
     """Context-parallel attention: ring (KV blocks rotate) or a2a (Ulysses all-to-all over heads)."""
+    zero3_prefetch: int = 1
+    """ZeRO 3: blocks gathered ahead (parallel.zero3_prefetch): prefetch + 1 blocks whole at once."""
 
     @property
     def world(self) -> int:
@@ -41,8 +43,14 @@ class Layout:
         return global_batch // (self.dp * self.mbs)
 
     def spec(self) -> str:
-        """The --layout text that gives this layout back (cp and cp_impl only when cp is used)."""
-        fields = [f for f in dataclasses.fields(self) if f.name not in ("cp", "cp_impl") or self.cp > 1]
+        """The --layout text that gives this layout back (cp and cp_impl only when cp is used,
+        zero3_prefetch only when ZeRO 3 gathers more than one block ahead)."""
+        fields = [
+            f
+            for f in dataclasses.fields(self)
+            if (f.name not in ("cp", "cp_impl") or self.cp > 1)
+            and (f.name != "zero3_prefetch" or (self.zero == 3 and self.zero3_prefetch != 1))
+        ]
         parts = [f"{f.name}={_text(getattr(self, f.name))}" for f in fields]
         return ",".join(parts)
 
@@ -82,7 +90,7 @@ def parse_layout(text: str, world: int) -> Layout:
         except ValueError:
             name = kind if isinstance(kind, str) else kind.__name__
             raise ConfigError("--layout", f"{key}={raw!r} is not a valid {name}") from None
-    for key in ("tp", "pp", "vpp", "mbs", "ep", "cp"):
+    for key in ("tp", "pp", "vpp", "mbs", "ep", "cp", "zero3_prefetch"):
         if values.get(key, 1) < 1:
             raise ConfigError("--layout", f"{key} must be >= 1, got {values[key]}")
     if "dp" not in values:

@@ -27,7 +27,8 @@ A rank keeps that for each micro-batch in flight (forward done, backward not yet
 Added on top: the last rank's head (norm and head inputs 4sbh, the logits the loss keeps for
 backward 2sbV/t: in the activation dtype, since model/loss.py upcasts only one chunk of tokens to
 fp32 at a time; per micro-batch in flight there); full recompute's one layer being recomputed at full
-size; ZeRO-3's gathered layer and its prefetch. The report is the worse of rank 0 and the last.
+size; ZeRO-3's gathered layers: the one computing and parallel.zero3_prefetch ahead (the engine's
+in-flight limit). The report is the worse of rank 0 and the last.
 """
 
 from __future__ import annotations
@@ -199,9 +200,10 @@ def device_memory(shape: ModelShape, layout: Layout, global_batch: int, dtype: s
     if layout.recompute == "full":
         buffers += mean_layer_activation_bytes(shape, b, t, layout.sp, "none", dtype, layout.cp)
     edp = expert_dp(layout)
-    if layout.zero == 3 and (replicas > 1 or edp > 1):  # the gathered layer and its prefetch
+    if layout.zero == 3 and (replicas > 1 or edp > 1):  # the gathered layer and the prefetched ones
         dense, expert = shape.state_numel(1, 0.0, t, layout.ep)
-        buffers += 2 * ((dense if replicas > 1 else 0.0) + (expert if edp > 1 else 0.0)) * kp
+        whole = layout.zero3_prefetch + 1
+        buffers += whole * ((dense if replicas > 1 else 0.0) + (expert if edp > 1 else 0.0)) * kp
 
     if p == 1:
         outside = shape.embed_params + (0 if shape.tied else shape.head_params)

@@ -30,10 +30,12 @@ ASSUMPTIONS = {
     "dp_comm": {
         "after_step": "gradient buckets reduce behind the last micro-batch's backward (the engine's "
         "grad_reduce overlap, Megatron's overlap_grad_reduce), the last bucket exposed, sharing the link with "
-        "pipeline/cp/ep traffic; ZeRO-1/2's parameter all-gather exposed after the optimizer step (the "
-        "engine); ZeRO-3's gathers one block ahead of compute",
+        "pipeline/cp/ep traffic; ZeRO-1/2's parameter all-gather exposed after the optimizer step "
+        "(parallel.overlap_param_gather false); ZeRO-3 on two lanes: its gathers ahead of compute, the first "
+        "block of each pass exposed, its reduce-scatters behind backward, the last block exposed",
         "forward": "gradient buckets as the engine; ZeRO-1/2's parameter all-gather behind the next step's "
-        "first forward, the first bucket exposed (Megatron's overlap_param_gather)",
+        "first forward, the first bucket exposed (the engine's parallel.overlap_param_gather, Megatron's "
+        "overlap_param_gather); ZeRO-3 on two lanes as after_step",
     },
     "pp_comm": "sends and receives posted ahead: each hides behind one chunk's forward of a micro-batch, "
     "the 2 (p - 1) of the fill and drain on the critical path exposed",
@@ -47,6 +49,11 @@ SLOWDOWN = (
     "each hidden second of a transfer costs overlap_slowdown of a second of the compute beside it "
     "(NCCL's kernels take SMs and memory bandwidth: 18.9% on average, arXiv 2507.03114)"
 )
+
+
+def param_gather(overlap: bool) -> str:
+    """cluster.param_gather of a run's parallel.overlap_param_gather (the engine's default: on)."""
+    return "forward" if overlap else "after_step"
 
 
 def exposed_share(transfer_s: float, window_s: float, tail_s: float = 0.0) -> float:

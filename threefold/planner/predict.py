@@ -142,10 +142,15 @@ class RunPredictor:
         self.base = Layout(
             tp=p.tp, pp=p.pp, dp=max(1, p.dp), vpp=p.vpp, mbs=t.micro_batch,
             schedule=p.schedule if p.pp > 1 else "1f1b", zero=p.zero, sp=p.sp, recompute=t.recompute, ep=p.ep,
-            cp=p.cp, cp_impl=p.cp_impl,
+            cp=p.cp, cp_impl=p.cp_impl, zero3_prefetch=p.zero3_prefetch,
         )  # fmt: skip
         named = {k for k, _ in cluster_pairs}
         pairs = list(cluster_pairs)
+        overlap = info.get("config", {}).get("parallel", {}).get("overlap_param_gather")
+        if overlap is not None and "param_gather" not in named:  # a run from before the key: the cluster's
+            from threefold.planner.overlap import param_gather
+
+            pairs.append(("param_gather", param_gather(overlap)))
         cpu = hardware.get("device_type", "cpu") == "cpu"
         if "device" not in named and "profile" not in named:
             gpu = next((k for k, v in PROFILES.items() if v["peak_name"] == hardware.get("device_name")), "h100")

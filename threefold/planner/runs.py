@@ -112,6 +112,7 @@ def load_run(path: str, warmup: int | None = None) -> Run:
         ep=p.ep,
         cp=layout_info.get("cp", p.cp),
         cp_impl=p.cp_impl,
+        zero3_prefetch=p.zero3_prefetch,
     )
     hardware = info.get("hardware", {})
     extra = info.get("extra", {})

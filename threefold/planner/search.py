@@ -328,11 +328,14 @@ class _LayoutSpace:
         """Each ZeRO stage (with dp x cp > 1), SP (with tp > 1), recompute, ep and cp attention of
         the degrees in `base`, the feature rules applied."""
         zeros = (0, 1, 2, 3) if base["dp"] * base["cp"] > 1 else (0,)
+        prefetch = self.pins.get("zero3_prefetch", 1)  # not searched: it trades memory, not time
         for zero in _allowed(self.pins, "zero", zeros):
             for sp in _allowed(self.pins, "sp", (False, True) if base["tp"] > 1 else (False,)):
                 recomputes = _allowed(self.pins, "recompute", RECOMPUTE)
                 for recompute, ep, impl in itertools.product(recomputes, eps, impls):
-                    layout = Layout(**base, zero=zero, sp=sp, recompute=recompute, ep=ep, cp_impl=impl)
+                    layout = Layout(
+                        **base, zero=zero, sp=sp, recompute=recompute, ep=ep, cp_impl=impl, zero3_prefetch=prefetch
+                    )
                     self.considered += 1
                     why = feature_reason(self.cfg, layout)
                     if why:

@@ -7,6 +7,9 @@ Measured, on every rank:
                                pipeline schedule (LiveActivationMeter): what autograd saved, and
                                the stage outputs the executor keeps (until sent, or until their
                                backward without parallel.free_sent_outputs); parameters excluded
+  zero3_params                 ZeRO 3: the parameter shard plus the units whole or being
+                               gathered at the step's worst moment, against shard + root +
+                               (parallel.zero3_prefetch + 1) blocks (data_parallel/memory.py)
 Predicted:
   params / grads / optimizer   ZeRO's formulas on this rank's parameter count
                                (data_parallel/memory.py: 2P + 4P + 12P, ..., 18P/N under bf16)
@@ -34,7 +37,7 @@ from torch import nn
 
 from threefold.config import Config
 from threefold.distributed import comm
-from threefold.distributed.data_parallel.memory import CATEGORIES, measure_memory
+from threefold.distributed.data_parallel.memory import CATEGORIES, measure_memory, zero3_param_peak
 from threefold.distributed.pipeline.schedules import build_schedule
 from threefold.model.activations import LiveActivationMeter, layer_activation_elements
 
@@ -145,6 +148,7 @@ class MemoryProbe:
         """`device`: the run's device, whose allocator the start-up peak is read from."""
         self.activations = 0
         self.state: dict[str, dict[str, float]] = {}
+        self.zero3: dict | None = None
         self._startup: AllocationPeak | None = AllocationPeak(torch.device(device)).start()
         self.startup_peak: int | None = None
         self.replica: dict | None = None
@@ -166,6 +170,13 @@ class MemoryProbe:
                 measured[c] += report.measured[c]
                 predicted[c] += report.predicted[c]
         self.state = {"measured": measured, "predicted": predicted}
+        peaks = [z for z in (zero3_param_peak(part) for part in engine.parts) if z is not None]
+        if peaks:  # dense + experts: summed, one formula each
+            self.zero3 = {
+                "measured": sum(z["measured"] for z in peaks),
+                "predicted": sum(z["predicted"] for z in peaks),
+                "formula": " + ".join(f"({z['formula']})" if len(peaks) > 1 else z["formula"] for z in peaks),
+            }
 
     def gather(self, cfg: Config, grid, chunks: list[nn.Module], dtype: torch.dtype) -> list[dict] | None:
         """Collective over the world: every rank's row, on rank 0 (None elsewhere)."""
@@ -179,6 +190,7 @@ class MemoryProbe:
             "ep": grid.ep_rank,
             "measured": {**self.state["measured"], "activations": self.activations},
             "startup_peak": self.startup_peak,
+            "zero3_params": self.zero3,
             "replica": self.replica,
             "predicted": {
                 **self.state["predicted"],

@@ -156,6 +156,8 @@ class Trainer:
             grid,
             zero=p.zero,
             bucket_mb=p.bucket_mb,
+            overlap_param_gather=p.overlap_param_gather,
+            zero3_prefetch=p.zero3_prefetch,
             precision=precision,
             betas=(t.beta1, t.beta2),
             weight_decay=t.weight_decay,
@@ -257,6 +259,7 @@ class Trainer:
     def load(self, directory: Path, manifest, quiet: bool = False) -> int:
         """Every tensor of a checkpoint `choose` picked into this rank's slices, the working weights
         from the loaded masters, and a dynamic loss scale; returns the checkpoint's step."""
+        self.engine.wait_params()  # a rollback: the last step's parameter gathers write the buffer
         load_into(self.state, directory, manifest)
         self._say_stack_change(directory, manifest.extra.get("fingerprint"))
         refresh_params(self.engine, manifest.extra["optimizer_step"])
@@ -368,7 +371,9 @@ class Trainer:
             with phase("data_wait"):
                 batches = self.batches(step)
         lr = lr_at(step, t)
-        self.expert_load.set_loss_weight(engine.loss_scale)
+        # Under loss scaling the scale is a tensor on the device (decided there): never read here.
+        scale = engine.scaler.scale if engine.scaler.enabled else 1.0
+        self.expert_load.set_loss_weight(scale)
         # Every micro-batch through this rank's stage, in schedule order. parallel.grad_reduce:
         # overlap runs each chunk's last backward outside no_sync, so its buckets reduce over dp
         # while backward goes on; after holds every reduction for finalize; every reduces each
@@ -383,7 +388,7 @@ class Trainer:
             # Backward runs on the loss over the step's tokens, times a dynamic loss scale (fp16).
             loss_sum, pipe = self.executor.run(
                 batches,
-                self.tokens_per_step / engine.loss_scale,
+                self.tokens_per_step / scale,
                 no_sync=engine.no_sync if mode == "overlap" else None,
                 spans=self.observer.recorder,
                 meter=meter,
@@ -413,16 +418,16 @@ class Trainer:
             # same value, so one of them counts it), and every scalar of the step in one tensor.
             loss_sum = all_reduce_sum(loss_sum * float(grid.tp.rank == 0), grid.world)
             applied_t = torch.as_tensor(applied, dtype=torch.float64, device=self.device).reshape(1)
-            scalars = [loss_sum.double().reshape(1), norm.double().reshape(1), applied_t, self.guard.take_pending()]
+            scale_t = engine.scaler.scale.double().reshape(1)  # after this step's update of the scale
+            scalars = [loss_sum.double().reshape(1), norm.double().reshape(1), applied_t, scale_t]
+            scalars.append(self.guard.take_pending())
             if step == self.start_step:  # start-up's long deadline ends with the first step (distributed/runtime.py)
                 startup_done(grid)
         timers: dict[str, list] = {}  # handed over unread: read_step reads them
         for part in engine.parts:  # MoE: the dense and the expert engine
             for name, timer in part.step_timers().items():
                 timers.setdefault(name, []).append(timer)
-        return QueuedStep(
-            step, lr, t0, torch.cat(scalars), grid.tp.stats.total_bytes - tp_bytes0, timers, pipe, engine.loss_scale
-        )
+        return QueuedStep(step, lr, t0, torch.cat(scalars), grid.tp.stats.total_bytes - tp_bytes0, timers, pipe)
 
     def read_step(self, queued: QueuedStep, since: float | None = None) -> StepResult:
         """The step's one host read, and what the step did. `since`: when the previous step's
@@ -433,7 +438,7 @@ class Trainer:
         # The device is past the step now: its timers are read without waiting for it.
         comm = {name: sum(t.seconds for t in timers) for name, timers in queued.timers.items()}
         self._schedule_read = ScheduleFigures.of(queued.schedule)
-        worst = self.guard.settle(values[3:])
+        worst = self.guard.settle(values[4:])
         now = time.perf_counter()
         return StepResult(
             queued.step + 1,
@@ -448,6 +453,6 @@ class Trainer:
             worst["pp_idle_fraction"],
             queued.tp_comm_bytes,
             comm.pop("dp_exposed_s"),
-            queued.loss_scale,
-            extra=comm,  # ZeRO 3: zero3_gather_wait_s
+            values[3],
+            extra=comm,  # ZeRO 1/2: param_gather_wait_s; ZeRO 3: zero3_gather_wait_s
         )

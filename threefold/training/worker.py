@@ -59,7 +59,15 @@ def run_worker(cfg_dict: dict, measure_memory: bool = False, callbacks=None, sto
             cfg.parallel.devices_per_node or env.local_world_size, cfg.parallel.allow_tp_across_nodes
         )
         delays = slowlink_delays(drills.parse(*drills.spec_of(t)))  # the slowlink drill
-        grid = Grid.build(layout, timeout=timedelta(seconds=t.startup_timeout_s), device=device, link_delays=delays)
+        # ZeRO's parameter all-gathers get a communicator of their own beside the reductions'.
+        lanes = ("dp_cp", "expert_dp") if cfg.model.num_experts else ("dp_cp",)
+        grid = Grid.build(
+            layout,
+            timeout=timedelta(seconds=t.startup_timeout_s),
+            device=device,
+            link_delays=delays,
+            lanes=lanes if cfg.parallel.zero >= 1 else (),
+        )
         give_deadlines(grid, t.timeout_s, t.startup_timeout_s)
         watch = _stall_watch(cfg, grid, env)
         preflight_started = time.time()

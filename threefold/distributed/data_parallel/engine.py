@@ -9,11 +9,13 @@ group itself without cp).
             engine.backward(model(x, y) / tokens_per_global_batch)
     engine.finish()                             # wait for the bucket reductions
     norm = engine.grad_norm([grid.pp])          # once, over every group
-    applied = engine.step(lr, norm, max_norm)   # clip + AdamW (+ ZeRO-1/2 all-gather)
+    applied = engine.step(lr, norm, max_norm)   # clip + AdamW (ZeRO-1/2: each bucket's all-gather launched)
     engine.zero_grad()
 
 `model` may also be a list of modules (a pipeline rank's virtual-stage chunks): they share
 one set of buckets and one optimizer. With dp = 1 every ZeRO stage is a no-op (runs as 0).
+ZeRO-1/2's parameter gathers run behind the next forward (gather.py), ZeRO-3's on the group's
+all-gather lane `zero3_prefetch` blocks ahead (params.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 
 from threefold.distributed import comm
 from threefold.distributed.data_parallel.buckets import GradBuckets
+from threefold.distributed.data_parallel.gather import ParamGather
 from threefold.distributed.data_parallel.layout import Segment, build_layout
 from threefold.distributed.data_parallel.params import FlatParams, ShardedParams, storage_device
 from threefold.distributed.data_parallel.precision import LossScaler, MixedPrecision
@@ -53,22 +56,29 @@ class DataParallel:
         group=None,
         only: Callable[[nn.Parameter], bool] | None = None,
         scaler: LossScaler | None = None,
+        overlap_param_gather: bool = True,
+        zero3_prefetch: int = 1,
     ):
         """own_bucket: parameters laid out alone, so that all_reduce_grads_of can sum them with
         the same tensor on ranks whose other parameters differ (a tied embedding and its copy
         in the last pipeline stage, over grid.embed).
         group: the replicas to reduce over (default grid.dp_cp); only: which parameters this
-        engine trains (default all); scaler: a loss scaler shared with a sibling engine (experts)."""
+        engine trains (default all); scaler: a loss scaler shared with a sibling engine (experts).
+        overlap_param_gather: ZeRO 1/2 wait for a bucket's gather at its first use in the next
+        forward (False: inside step()); zero3_prefetch: ZeRO 3's blocks gathered ahead."""
         if not bucket_mb > 0:
             raise ConfigError("parallel.bucket_mb", f"must be > 0, got {bucket_mb}", "e.g. 25")
         if zero not in (0, 1, 2, 3):
             raise ConfigError("parallel.zero", f"{zero} is not a ZeRO stage", "valid: 0, 1, 2, 3")
+        if zero3_prefetch < 1:
+            raise ConfigError("parallel.zero3_prefetch", f"must be >= 1, got {zero3_prefetch}", "e.g. 1 or 2")
         self.chunks = list(model) if isinstance(model, (list, tuple, nn.ModuleList)) else [model]
         self.model, self.grid, self.group = model, grid, grid.dp_cp if group is None else group
         self.requested_zero = zero
         self.zero = zero if self.group.size > 1 else 0
         self.precision = precision or MixedPrecision()
-        self.scaler = scaler or LossScaler(self.precision)
+        first = next(p for c in self.chunks for p in c.parameters())
+        self.scaler = scaler or LossScaler(self.precision, storage_device([first]))
         pdt, gdt = self.precision.param_dtype, self.precision.grad_dtype
 
         with torch.no_grad():  # frozen parameters are not trained: just take the working dtype
@@ -95,8 +105,10 @@ class DataParallel:
         master = None
         if pdt != torch.float32:
             master = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=storage_device(params))
+        # The parameters' all-gathers go on the group's lane beside the gradient reductions.
+        self.gather_group = grid.lane(self.group) if self.group.size > 1 else self.group
         if self.zero == 3:  # unit by unit: start-up holds the shard plus one unit (params.py)
-            self.store = ShardedParams(params, self.layout, pdt, self.group, master)
+            self.store = ShardedParams(params, self.layout, pdt, self.gather_group, master, zero3_prefetch)
         else:
             self.store = FlatParams(params, self.layout, pdt, rank, master)
         self.grads = GradBuckets(
@@ -112,9 +124,19 @@ class DataParallel:
             self.layout, self.group, self.zero, self.store.owned(), master, betas, eps, weight_decay
         )
         self._handles = []
+        self.param_gather = None
+        if self.zero in (1, 2):
+            full = [self.store.bucket_view(b.index) for b in self.layout.buckets]
+            self.param_gather = ParamGather(full, self.store.owned(), self.gather_group, overlap_param_gather)
+            if overlap_param_gather:
+                bucket_of = {id(p): self.layout.slots[i].bucket for i, p in enumerate(params)}
+                self.param_gather.attach(self.chunks, bucket_of)
         if self.zero == 3:
+            # One chunk without a pipeline runs each micro-batch's backward right after its
+            # forward: its last block stays whole from one to the other (FSDP2 keeps its root so).
+            keep_last = len(self.chunks) == 1 and grid.pp.size == 1
             for chunk, blocks, root in units:
-                self._handles += self.store.attach(chunk, blocks, root)
+                self._handles += self.store.attach(chunk, blocks, root, keep_last)
             self.grads.on_bucket_backward_done.append(self.store.free)
         self._rank = rank
         self._index = {id(p): i for i, p in enumerate(params)}
@@ -204,7 +226,8 @@ class DataParallel:
 
     def grad_norm(self, groups: list = (), exclude: list[nn.Parameter] = ()) -> torch.Tensor:
         """L2 norm of the whole gradient (see grad_sq), divided by the loss scale."""
-        return self.grad_sq(groups, exclude).sqrt() / self.scaler.scale
+        norm = self.grad_sq(groups, exclude).sqrt()
+        return norm / self.scaler.scale if self.scaler.enabled else norm
 
     def grad_sq(self, groups: list = (), exclude: list[nn.Parameter] = ()) -> torch.Tensor:
         """Squared L2 norm of the whole (loss-scaled) gradient, each logical element counted once: squares of the
@@ -249,28 +272,43 @@ class DataParallel:
         """Clip to `max_norm` (0 = off) and apply AdamW; not applied when the norm is not finite
         (fp16 overflow under loss scaling, or a NaN/Inf loss or gradient: a caller flags a
         skip by handing in a NaN norm). Every rank decides the same way: the norm is global.
-        Returns whether it was applied: with the fused optimizer and no loss scaling a 0-d
-        bool tensor on the device (the decision stays there, so nothing waits for the host
-        before the update: read it with the step's other scalars), otherwise a bool."""
+        Returns whether it was applied: with the fused optimizer or loss scaling a 0-d bool
+        tensor on the device (the decision stays there, so nothing waits for the host before
+        the update: read it with the step's other scalars), otherwise a bool."""
         return step_engines(self.parts, lr, grad_norm, max_norm)
 
     def apply_update(
         self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0, found_inf: torch.Tensor | None = None
     ) -> None:
-        """Clip and AdamW, the loss scaler already consulted (step() without the skip decision);
-        `found_inf`: the fused optimizer's on-device skip flag."""
+        """Clip and AdamW (step() without the skip decision); `found_inf`: the fused optimizer's
+        on-device skip flag. Under loss scaling the gradients are divided by the scale they
+        were made with (before the scaler's update)."""
         scale = None
         if max_norm > 0:  # the same coefficient as train.optim.clip_gradients
             scale = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
         if self.scaler.enabled:
             scale = (scale if scale is not None else 1.0) / self.scaler.scale
-            scale = torch.as_tensor(scale, dtype=torch.float32, device=self.grads.device)
-        self.optimizer.step(self.grads.owned(), lr, scale, found_inf)
-        if self.zero in (1, 2):  # every rank updated its slices: rebuild the replicated buffer
-            self.optimizer.gather([self.store.bucket_view(b.index) for b in self.layout.buckets])
+        gather = self.param_gather
+        if gather is None:
+            self.optimizer.step(self.grads.owned(), lr, scale, found_inf)
+            return
+        # ZeRO 1/2: every rank updates its slices, each bucket's all-gather leaves as soon as
+        # its slice is done and the next forward waits for it where it first needs it.
+        gather.wait_all()  # the previous step's buckets no forward used (unused parameters)
+        self.optimizer.step(self.grads.owned(), lr, scale, found_inf, gather.start)
+        gather.finish_step()
 
     def zero_grad(self) -> None:
         self.grads.zero_grad()
+        if self.zero == 3:
+            self.store.end_step()
+
+    def wait_params(self) -> None:
+        """ZeRO 1/2: every parameter gather still in flight done, before the parameter buffer is
+        read or written outside a forward (a checkpoint load into the fp32 masters, which are
+        the owned slices of that buffer in fp32 training)."""
+        if self.param_gather is not None:
+            self.param_gather.wait_all()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """name -> a full copy of every parameter (ZeRO 3 gathers unit by unit: collective)."""
@@ -280,6 +318,7 @@ class DataParallel:
             for n, p in chunk.named_parameters()
         }
         out = {}
+        self.wait_params()
         for b in self.layout.buckets:
             if self.zero == 3:
                 self.store.ensure(b.index)
@@ -298,6 +337,8 @@ class DataParallel:
         out = {"dp_exposed_s": self.grads.exposed}
         if self.zero == 3:
             out["zero3_gather_wait_s"] = self.store.take_gather_wait()
+        elif self.param_gather is not None:
+            out["param_gather_wait_s"] = self.param_gather.take_wait()
         return out
 
     def exposed_comm_s(self) -> float:
@@ -309,31 +350,45 @@ class DataParallel:
         """Blocking cost of one step's gradient collectives (collective over dp)."""
         return self.grads.time_serial(repeats)
 
+    def time_serial_gather(self, repeats: int = 5) -> float:
+        """Blocking cost of one step's parameter all-gathers (collective over the gather lane):
+        ZeRO 1/2's one per bucket, ZeRO 3's those of the last step; 0 without any."""
+        if self.param_gather is not None:
+            return self.param_gather.replay(repeats)
+        if self.zero == 3:
+            return self.store.replay(repeats)
+        return 0.0
+
     @property
     def loss_scale(self) -> float:
-        return self.scaler.scale
+        """The loss scale now: a host read (the step itself uses scaler.scale, on the device)."""
+        return self.scaler.value()
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+        if self.param_gather is not None:
+            self.param_gather.wait_all()
+            self.param_gather.remove_hooks()
         self.grads.remove_hooks()
 
 
 def step_engines(parts: list[DataParallel], lr: float, grad_norm: torch.Tensor, max_norm: float) -> bool | torch.Tensor:
     """One skip decision for engines sharing one loss scaler and one optimizer kind (a dense
-    engine, or an MoE model's dense + expert pair), then each one's update. The fused optimizer
-    without loss scaling decides on the device (found_inf) and returns a 0-d bool tensor; the
-    other paths read the norm on the host and return a bool."""
+    engine, or an MoE model's dense + expert pair), then each one's update. With the fused
+    optimizer or loss scaling the decision stays on the device: found_inf (a non-finite global
+    norm) makes the fused AdamW kernel leave every tensor untouched, the loss scaler backs off
+    or regrows on the same flag, and a 0-d bool tensor says whether the step was applied. The
+    foreach optimizer without loss scaling (CPU, bit-identical to torch.optim.AdamW) reads the
+    norm on the host and returns a bool."""
     scaler = parts[0].scaler
-    if parts[0].optimizer.fused and not scaler.enabled:
+    if parts[0].optimizer.fused or scaler.enabled:
         found_inf = (~torch.isfinite(grad_norm)).float()
         for e in parts:
             e.apply_update(lr, grad_norm, max_norm, found_inf)
+        scaler.update(found_inf)  # after the update, which divided by the scale backward used
         return found_inf == 0
-    norm = float(grad_norm)
-    if scaler.enabled and not scaler.update(norm):
-        return False
-    if not math.isfinite(norm):  # NaN/Inf without loss scaling (or flagged by the caller): never apply
+    if not math.isfinite(float(grad_norm)):  # NaN/Inf (flagged by the caller): never apply
         return False
     for e in parts:
         e.apply_update(lr, grad_norm, max_norm)

@@ -53,7 +53,7 @@ class ExpertDataParallel:
 
     @property
     def loss_scale(self) -> float:
-        return self.scaler.scale
+        return self.scaler.value()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -80,7 +80,7 @@ class ExpertDataParallel:
         total = self.dense.grad_sq([], exclude) + self.experts.grad_sq([])
         for group in groups:
             comm.all_reduce(total, group)
-        return total.sqrt() / self.scaler.scale
+        return total.sqrt() / self.scaler.scale if self.scaler.enabled else total.sqrt()
 
     def step(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> bool | torch.Tensor:
         """DataParallel.step's decision (overflow, NaN/Inf: skip) once, then both updates."""
@@ -90,11 +90,19 @@ class ExpertDataParallel:
         for e in self.parts:
             e.zero_grad()
 
+    def wait_params(self) -> None:
+        for e in self.parts:
+            e.wait_params()
+
     def time_serial_comm(self, repeats: int = 5) -> float:
         """Blocking cost of one step's gradient collectives: each engine's replay (the dense
         buckets over dp, the experts' over expert_dp), summed, as their exposed waits are in
         the step's record. Collective over both groups, in the same order on every rank."""
         return sum(e.time_serial_comm(repeats) for e in self.parts)
+
+    def time_serial_gather(self, repeats: int = 5) -> float:
+        """Blocking cost of one step's parameter all-gathers: each engine's replay, summed."""
+        return sum(e.time_serial_gather(repeats) for e in self.parts)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {**self.dense.full_parameters(), **self.experts.full_parameters()}

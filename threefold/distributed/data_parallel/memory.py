@@ -20,7 +20,10 @@ weights may be those same buffers), assigned to the first category that holds it
 order parameters, gradients, optimizer state. Read it after `step()` and before `zero_grad()`,
 the point the formulas describe (ZeRO 2/3 drop their gradient shard at zero_grad, as torch's
 set_to_none does). ZeRO 2/3's full-size gradient buckets and ZeRO 3's gathered units are
-transient and gone by then; their peak shows in the device's peak memory instead.
+transient and gone by then; their peak shows in the device's peak memory instead, and ZeRO 3's
+parameters at their peak are counted on their own (`zero3_param_peak`): the shard plus the
+units whole or being gathered at the worst moment of the step, against shard + root +
+(zero3_prefetch + 1) blocks, the bound the in-flight limit keeps (params.py).
 """
 
 from __future__ import annotations
@@ -111,3 +114,24 @@ def measure_memory(engine) -> MemoryReport:
     )
     formula = pred.pop("formula")
     return MemoryReport(numel, engine.group.size, engine.zero, measured, pred, formula)
+
+
+def zero3_param_peak(engine) -> dict | None:
+    """ZeRO 3 over dp > 1: this rank's parameter bytes at their peak since the last call, measured
+    (the shard + the most bytes of units whole or being gathered at once, params.py's
+    `take_peak_held`) and predicted (shard + root units + (prefetch + 1) x the largest block);
+    None otherwise."""
+    store = engine.store
+    if engine.zero != 3 or not hasattr(store, "take_peak_held"):
+        return None
+    elem = store.shard.element_size()
+    shard = store.shard.numel() * elem
+    buckets = engine.layout.buckets
+    root = sum(b.numel for b in buckets if b.index not in store.blocks) * elem
+    block = max((b.numel for b in buckets if b.index in store.blocks), default=0) * elem
+    held = min(len(store.blocks), store.depth + 1)
+    return {
+        "measured": shard + store.take_peak_held(),
+        "predicted": shard + root + held * block,
+        "formula": f"shard + root + {held} x block",
+    }

@@ -8,11 +8,15 @@ optimizer always keeps fp32 master weights and fp32 Adam moments (the 12 bytes/p
 the ZeRO paper). fp16 has a narrow exponent range, so it needs loss scaling: the loss is
 multiplied by a scale before backward, and a step whose gradients overflowed is skipped and
 the scale halved (Micikevicius et al., "Mixed Precision Training").
+
+The scale lives on the device and is decided there, as torch's GradScaler does: the step's
+found-inf flag (a non-finite global norm) is the one the fused AdamW kernel skips the update
+with, and `torch._amp_update_scale_` halves the scale on it or doubles it after
+`growth_interval` clean steps, without the host reading anything.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -96,41 +100,48 @@ class MixedPrecision:
 
 
 class LossScaler:
-    """Static or dynamic loss scale. `update(finite)` after each step says whether to apply it."""
+    """Static or dynamic loss scale, a 0-d fp32 tensor on `device` (`scale`). `update(found_inf)`
+    after each step, on the device: a dynamic scale halves on an overflow (never below 1) and
+    doubles after `growth_interval` clean steps in a row."""
 
-    def __init__(self, policy: MixedPrecision):
+    def __init__(self, policy: MixedPrecision, device: torch.device | str = "cpu"):
         self.dynamic = policy.loss_scale == "dynamic"
         if policy.loss_scale is None:
-            self.scale = 1.0
+            value = 1.0
         else:
-            self.scale = policy.initial_scale if self.dynamic else float(policy.loss_scale)
+            value = policy.initial_scale if self.dynamic else float(policy.loss_scale)
+        self.enabled = self.dynamic or value != 1.0
         self.growth_interval = policy.growth_interval
-        self.good_steps = 0
-        self.skipped = 0
+        self.scale = torch.full((), value, dtype=torch.float32, device=device)
+        self.good_steps = torch.zeros((), dtype=torch.int32, device=device)
+        """Clean steps since the last overflow or growth (GradScaler's growth tracker)."""
+        self.skipped = torch.zeros((), dtype=torch.float32, device=device)
 
-    @property
-    def enabled(self) -> bool:
-        return self.dynamic or self.scale != 1.0
-
-    def update(self, grad_norm: float) -> bool:
-        """True when the step may be applied. A non-finite norm means some gradient overflowed:
-        skip, halve a dynamic scale; after `growth_interval` clean steps, double it."""
-        if math.isfinite(grad_norm):
-            self.good_steps += 1
-            if self.dynamic and self.good_steps % self.growth_interval == 0:
-                self.scale *= 2.0
-            return True
-        self.skipped += 1
-        self.good_steps = 0
+    def update(self, found_inf: torch.Tensor) -> None:
+        """The step's verdict (`found_inf`: 0-d fp32, 1 = some gradient overflowed and the update
+        was skipped), applied on the device."""
+        self.skipped += found_inf
         if self.dynamic:
-            self.scale = max(self.scale / 2.0, 1.0)
-        return False
+            torch._amp_update_scale_(self.scale, self.good_steps, found_inf, 2.0, 0.5, self.growth_interval)
+            self.scale.clamp_(min=1.0)
+
+    def value(self) -> float:
+        """The scale now: a host read (on CUDA it waits for the device; never on a step's path)."""
+        return float(self.scale)
 
     def state_dict(self) -> dict:
-        return {"dynamic": self.dynamic, "scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+        """A host read (a checkpoint's)."""
+        return {
+            "dynamic": self.dynamic,
+            "scale": float(self.scale),
+            "good_steps": int(self.good_steps),
+            "skipped": int(self.skipped),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue a saved dynamic scale (a checkpoint's); a static or absent one is not carried
         over: the configured scale stands."""
         if self.dynamic and state.get("dynamic"):
-            self.scale, self.good_steps, self.skipped = state["scale"], state["good_steps"], state["skipped"]
+            self.scale.fill_(float(state["scale"]))
+            self.good_steps.fill_(int(state["good_steps"]) % self.growth_interval)
+            self.skipped.fill_(float(state["skipped"]))

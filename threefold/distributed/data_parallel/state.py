@@ -70,9 +70,10 @@ def refresh_params(engine, step: int) -> None:
     for part in engine.parts:  # dense + expert engines of an MoE model
         opt = part.optimizer
         opt.step_count = step
+        part.wait_params()
         if opt.master_flat is not None:
             torch._foreach_copy_(opt.param_owned, opt.master)
         if part.zero in (1, 2):
-            opt.gather([part.store.bucket_view(b.index) for b in part.layout.buckets])
+            part.param_gather.gather_all()
         elif part.zero == 3:
             part.store.free_all()  # a unit still gathered would hold stale values

@@ -3,8 +3,9 @@
 ZeRO (Rajbhandari et al. 2020) stage by stage, with N = dp size:
 - 0: every rank owns every bucket (plain data parallelism; optimizer state replicated).
 - 1: rank r owns slice r of every bucket: fp32 master weights and both Adam moments exist
-     only for that slice (12P/N bytes in mixed precision); after the update the new
-     parameters are all-gathered, bucket by bucket, into the replicated flat buffer.
+     only for that slice (12P/N bytes in mixed precision); after each bucket's update its new
+     parameters are all-gathered into the replicated flat buffer (gather.py: behind the next
+     forward).
 - 2: as 1, and gradients arrive already reduce-scattered: only the owned slice is kept.
 - 3: as 2, and the parameters themselves are sharded (see params.py): the updated slice
      simply stays where it is; the next forward gathers it.
@@ -14,9 +15,10 @@ copy); otherwise a separate fp32 master is kept and copied down after each updat
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from threefold.distributed import comm
 from threefold.distributed.comm import Group
 from threefold.distributed.data_parallel.adamw import adamw_update, fused_adamw_update
 from threefold.distributed.data_parallel.layout import BucketLayout
@@ -51,8 +53,12 @@ class ZeroAdamW:
         self.exp_avg_sq_flat = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         self.exp_avg, self.exp_avg_sq = self._views(self.exp_avg_flat), self._views(self.exp_avg_sq_flat)
         # Weight decay per element range: the ndim >= 2 rule of param_groups, applied to the
-        # parts of parameters that fall into this rank's slices.
-        self.decay_views = [self.master[s.bucket][s.lo : s.hi] for s in layout.segments(self.rank) if s.key]
+        # parts of parameters that fall into this rank's slices (per bucket: buckets are updated
+        # one at a time, each gathered as soon as it is done).
+        self.decay_views: list[list[torch.Tensor]] = [[] for _ in layout.buckets]
+        for seg in layout.segments(self.rank):
+            if seg.key:
+                self.decay_views[seg.bucket].append(self.master[seg.bucket][seg.lo : seg.hi])
         self.step_count = 0
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -81,68 +87,76 @@ class ZeroAdamW:
         lr: float,
         grad_scale: torch.Tensor | None,
         found_inf: torch.Tensor | None = None,
+        updated: Callable[[int], None] | None = None,
     ) -> None:
         """AdamW on the owned slices with gradients `grads` (per bucket, reduced), multiplied
         first by `grad_scale` (clip coefficient / loss scale) when given. `found_inf` (the
-        fused path only): a 0-d fp32 flag on the device; 1 leaves every tensor untouched."""
+        fused path only): a 0-d fp32 flag on the device; 1 leaves every tensor untouched.
+        Bucket by bucket, the last first (it holds the first layers, which the next forward
+        needs first); `updated(b)` is called as soon as bucket b's working slice is final
+        (ZeRO 1/2 launch its all-gather there). Per bucket, the same element-wise operations
+        as one call over all buckets: the same bits."""
         if grads[0].dtype != torch.float32:
             grads = [g.float() for g in grads]  # the update is always computed in fp32
-        if self.fused:
-            self._fused_step(grads, lr, grad_scale, found_inf)
+        fused = self.fused or found_inf is not None  # a skip decided on the device needs the kernel's flag
+        if fused:
+            self._prepare_fused()
+            self._step_t += 1
+            inv = None if grad_scale is None else torch.reciprocal(grad_scale.float())  # the kernel divides
         else:
             if grad_scale is not None:
                 torch._foreach_mul_(grads, grad_scale)
             self._steps += 1
-            adamw_update(
-                self.master,
-                grads,
-                self.exp_avg,
-                self.exp_avg_sq,
-                self.decay_views,
-                self._steps,
-                lr,
-                self.betas,
-                self.eps,
-                self.weight_decay,
-            )
-        if self.master_flat is not None:
-            torch._foreach_copy_(self.param_owned, self.master)  # round the fp32 master down
+        for b in range(len(self.layout.buckets) - 1, -1, -1):
+            if fused:
+                self._fused_bucket(b, grads[b], lr, inv, found_inf)
+            else:
+                adamw_update(
+                    [self.master[b]],
+                    [grads[b]],
+                    [self.exp_avg[b]],
+                    [self.exp_avg_sq[b]],
+                    self.decay_views[b],
+                    self._steps,
+                    lr,
+                    self.betas,
+                    self.eps,
+                    self.weight_decay,
+                )
+            if self.master_flat is not None:
+                self.param_owned[b].copy_(self.master[b])  # round the fp32 master down
+            if updated is not None:
+                updated(b)
+        if fused and found_inf is not None:
+            self._step_t -= found_inf  # a skipped step does not count (torch's fused Adam does the same)
 
-    def _fused_step(self, grads, lr: float, grad_scale, found_inf) -> None:
-        # One view per owned segment, grouped by weight decay (the kernel takes one decay per call).
-        if self._fused_state is None:
-            self._fused_segs = segs = self.layout.segments(self.rank)
-            self._step_t = torch.full((), float(self._steps), dtype=torch.float32, device=self.exp_avg_flat.device)
-            self._fused_state = {
+    def _prepare_fused(self) -> None:
+        # Per bucket, one view per owned segment, grouped by weight decay (the kernel takes one
+        # decay per call); the step count as a 0-d tensor on the device.
+        if self._fused_state is not None:
+            return
+        segs = self.layout.segments(self.rank)
+        self._step_t = torch.full((), float(self._steps), dtype=torch.float32, device=self.exp_avg_flat.device)
+        self._fused_state = [
+            {
                 decay: [
-                    [kind[s.bucket][s.lo : s.hi] for s in segs if s.key == decay]
-                    for kind in (self.master, self.exp_avg, self.exp_avg_sq)
+                    [(s.lo, s.hi) for s in segs if s.bucket == b and s.key == decay],
+                    *(
+                        [kind[b][s.lo : s.hi] for s in segs if s.bucket == b and s.key == decay]
+                        for kind in (self.master, self.exp_avg, self.exp_avg_sq)
+                    ),
                 ]
                 for decay in (True, False)
             }
-        segs = self._fused_segs
-        self._step_t += 1
+            for b in range(len(self.layout.buckets))
+        ]
+
+    def _fused_bucket(self, b: int, grad: torch.Tensor, lr: float, inv, found_inf) -> None:
         groups = []
         for decay, weight_decay in ((True, self.weight_decay), (False, 0.0)):
-            params, exp_avgs, exp_avg_sqs = self._fused_state[decay]
-            views = [grads[s.bucket][s.lo : s.hi] for s in segs if s.key == decay]
-            groups.append((params, views, exp_avgs, exp_avg_sqs, weight_decay))
-        inv = None if grad_scale is None else torch.reciprocal(grad_scale.float())  # the kernel divides
+            ranges, params, exp_avgs, exp_avg_sqs = self._fused_state[b][decay]
+            groups.append((params, [grad[lo:hi] for lo, hi in ranges], exp_avgs, exp_avg_sqs, weight_decay))
         fused_adamw_update(groups, self._step_t, lr, self.betas, self.eps, inv, found_inf)
-        if found_inf is not None:
-            self._step_t -= found_inf  # a skipped step does not count (torch's fused Adam does the same)
-
-    def gather(self, param_bucket: list[torch.Tensor]) -> None:
-        """ZeRO 1/2: every rank contributes its updated slice of each bucket; the all-gather is
-        in place (each input is this rank's slice of the output)."""
-        if self.group.size == 1:
-            return
-        works = [
-            comm.all_gather_into(full, owned, self.group, async_op=True)
-            for full, owned in zip(param_bucket, self.param_owned)
-        ]
-        for work in works:
-            comm.wait(work, self.group, spans=False)
 
     # --- state ------------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor | None]:
