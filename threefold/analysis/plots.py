@@ -62,10 +62,7 @@ def loss_plot(run: Run, path: Path) -> Path:
     ax.set_ylabel("loss")
     ax.set_title(f"{run.name}: training loss")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def timeline_plot(run: Run, path: Path) -> Path | None:
@@ -120,10 +117,7 @@ def timeline_plot(run: Run, path: Path) -> Path | None:
         fontsize=7,
         frameon=False,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def breakdown_plot(run: Run, per_rank: dict, path: Path) -> Path | None:
@@ -151,7 +145,13 @@ def breakdown_plot(run: Run, per_rank: dict, path: Path) -> Path | None:
     ax.invert_yaxis()
     ax.set_xlabel("ms per step (mean over steps)")
     ax.set_title(f"{run.name}: where each rank's step went")
-    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
+    return _save(plt, fig, path, legend_of=ax)
+
+
+def _save(plt, fig, path: Path, legend_of=None) -> Path:
+    """Every plot's ending: its legend (if any) beside the axes, the figure written and closed."""
+    if legend_of is not None:
+        legend_of.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -192,11 +192,7 @@ def goodput_plot(run: Run, path: Path) -> Path | None:
     ax.set_xlabel("wall time of the run (s); dotted: an attempt after a failure")
     ax.set_ylabel("seconds so far")
     ax.set_title(f"{run.name}: goodput ledger ({progress[-1].get('goodput', 0):.1%} productive)")
-    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, legend_of=ax)
 
 
 def write_html(path: Path, title: str, text: str, images: list[Path]) -> Path:
