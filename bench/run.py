@@ -138,7 +138,7 @@ SECTIONS = [
     Script(
         "zero_vs_deepspeed",
         "ZeRO 1, 2, 3 vs DeepSpeed's (2 ranks; optional: the bench extra)",
-        "--rounds 12 --steps 2",
+        "--rounds 20 --steps 3",
         "--quick",
         _deepspeed_ratios,
         {"zero": "<= 0.8"},
