@@ -16,7 +16,9 @@ Adding a section is one `Script(...)` line in SECTIONS below: the bench/ module 
 `main(argv)` prints markdown tables and returns its rows (with per-round data for timed
 comparisons), a title, the arguments of a full and of a quick run, a function from the rows to
 named ratios (bench/stats.py Intervals; a bare float counts as exact), and goals by
-ratio-name prefix. A goal is met only when the ratio's whole 95% interval clears it.
+ratio-name prefix. A goal is met only when the ratio's whole 95% interval clears it. A section
+whose peer is an optional extra names its module (`requires`): without it, the section is
+skipped with one line.
 """
 
 from __future__ import annotations
@@ -57,6 +59,13 @@ def _dp_ratios(r: dict) -> dict[str, Interval]:
     for key, label in (("overlap0", "zero 0"), ("overlap2", "zero 2")):
         out[f"{label} DP communication hidden"] = hidden(r[key])
     return out
+
+
+def _deepspeed_ratios(r: dict) -> dict[str, Interval]:
+    return {
+        f"zero {stage} / DeepSpeed time": ratio(s["blocks"], "threefold", "deepspeed")
+        for stage, s in r["stages"].items()
+    }
 
 
 def _planner_worst(rows: list[dict]) -> Interval:
@@ -125,6 +134,16 @@ SECTIONS = [
         "--quick",
         _dp_ratios,
         {"zero 0 / DDP": "<= 1.0", "zero 3 / FSDP2 time": "<= 0.8", "zero 3 / FSDP2 memory": "<= 1.0"},
+    ),
+    Script(
+        "zero_vs_deepspeed",
+        "ZeRO 1, 2, 3 vs DeepSpeed's (2 ranks; optional: the bench extra)",
+        "--rounds 20 --steps 3",
+        "--quick",
+        _deepspeed_ratios,
+        {"zero": "<= 0.8"},
+        requires="deepspeed",
+        install="pip install -e '.[bench]'",
     ),
     Script(
         "tp_vs_dtensor",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import json
 import math
@@ -43,6 +44,7 @@ class Result:
     goals: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     error: str = ""
+    skipped: str = ""  # why an optional section did not run (its extra is not installed)
 
 
 @dataclass
@@ -58,6 +60,8 @@ class Script:
     goals: dict[str, str] = field(default_factory=dict)
     note: str = ""
     label: str = ""  # the section's name when one script runs twice with other arguments
+    requires: str = ""  # a module outside the default install (an optional peer); absent: the section is skipped
+    install: str = ""  # how to install `requires`, for the skip line
 
     @property
     def name(self) -> str:
@@ -69,6 +73,12 @@ class Script:
     def command(self, quick: bool) -> str:
         args = self.quick if quick else self.full
         return f"python bench/{self.module}.py{' ' + args if args else ''}"
+
+    def missing(self) -> str:
+        """Why the section cannot run here ('' when it can)."""
+        if self.requires and importlib.util.find_spec(self.requires) is None:
+            return f"{self.requires} is not installed ({self.install or 'pip install ' + self.requires})"
+        return ""
 
     def run(self, quick: bool) -> Result:
         t0 = time.perf_counter()
@@ -91,6 +101,11 @@ def run_sections(sections: list, quick: bool, log=print) -> list[Result]:
     """Every section in turn; a failing one is reported in its place (one line) and the rest run."""
     results = []
     for s in sections:
+        missing = s.missing()
+        if missing:
+            log(f"bench: {s.name} skipped: {missing}", flush=True)
+            results.append(Result(s.name, s.title, s.command(quick), "", {}, skipped=missing))
+            continue
         log(f"bench: {s.name} ...", flush=True)
         t0 = time.perf_counter()
         try:
@@ -158,6 +173,8 @@ def summary_table(results: list[Result]) -> list[str]:
     for r in results:
         if r.error:
             lines.append(f"| {r.name} | - | failed: {r.error} | - | - | - | - |")
+        if r.skipped:
+            lines.append(f"| {r.name} | - | skipped: {r.skipped} | - | - | - | - |")
         for name, value in r.ratios.items():
             i, goal = as_interval(value), goal_of(r, name)
             span = "-" if i.how == "exact" else f"[{fmt(i.lo)}, {fmt(i.hi)}]"
@@ -204,7 +221,13 @@ def write_markdown(results: list[Result], info: dict, command: str, total_s: flo
     lines += summary_table(results)
     for r in results:
         lines += ["", f"## {r.title}", "", f"`{r.command}` ({r.seconds:.0f} s)", ""]
-        lines.append(f"Failed in this run: {r.error}" if r.error else r.body)
+        lines.append(
+            f"Failed in this run: {r.error}"
+            if r.error
+            else f"Skipped in this run: {r.skipped}"
+            if r.skipped
+            else r.body
+        )
     lines += [
         "",
         "## Adding a section",
@@ -241,6 +264,7 @@ def write_json(path: str, results: list[Result], info: dict, command: str) -> No
                 "goals": r.goals,
                 "verdicts": {k: verdict(v, goal_of(r, k)) for k, v in r.ratios.items() if goal_of(r, k)},
                 "error": r.error,
+                "skipped": r.skipped,
             }
             for r in results
         ],
