@@ -134,6 +134,12 @@ class TrainConfig:
     beta1: float = knob(0.9, "AdamW beta1")
     beta2: float = knob(0.95, "AdamW beta2")
     grad_clip: float = knob(1.0, "Clip by global gradient norm (0 = off)")
+    adamw: str = knob(
+        "fused",
+        "AdamW's kernel: fused = torch's fused AdamW (one pass per group; the skip decided on the device), "
+        "foreach = torch.optim.AdamW's foreach arithmetic (its updates bit for bit)",
+        ("fused", "foreach"),
+    )
     dtype: str = knob(
         "auto",
         "Parameter/compute dtype: auto = fp32 on CPU, bf16 on CUDA; bf16/fp16 keep fp32 master weights and Adam state",

@@ -71,10 +71,11 @@ def expected(cfg, stage: int) -> dict[str, tuple[int, int]]:
     # PP: one send per micro-batch (activations forward, or their gradients backward); the
     # spans' pipeline flush (1 float) and the norm's sum over stages (fp32).
     pp = (micro + 2, micro * x + 4 + 4)
-    # DP, ZeRO 1: each bucket's gradients all-reduced and its updated parameters all-gathered
-    # (the padded buffer). ZeRO 1 norms need no dp traffic.
+    # DP, ZeRO 1: each bucket's gradients reduce-scattered into this rank's slice and its
+    # updated parameters all-gathered (each the padded buffer), and the norm's squared sum over
+    # the slices (one fp32 scalar).
     numel, buckets = padded_numel(cfg, stage)
-    dp = (2 * buckets, 2 * numel * 4)
+    dp = (2 * buckets + 1, 2 * numel * 4 + 4)
     # World: the control plane's MAX of 8 fp64 (two non-finite flags, memory, data wait, pipeline
     # wait and idle, compute time, a stop signal) and the loss's SUM (fp64), whatever the world size; every step
     # here is a report step (log.interval 1): each rank's compute time (fp64) gathered to rank 0,

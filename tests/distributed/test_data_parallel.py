@@ -188,7 +188,9 @@ def _parity_worker(data: str) -> dict:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     dp2 = {z: make_cfg(data, **{"parallel.dp": 2, "parallel.zero": z}) for z in range(4)}
-    no_clip = make_cfg(data, **{"parallel.dp": 2, "train.grad_clip": 0})
+    # Against torch.optim.AdamW bit for bit: the engine's foreach arithmetic (train.adamw foreach).
+    dp2[0] = make_cfg(data, **{"parallel.dp": 2, "parallel.zero": 0, "train.adamw": "foreach"})
+    no_clip = make_cfg(data, **{"parallel.dp": 2, "train.grad_clip": 0, "train.adamw": "foreach"})
     cfg = dp2[0]
     pair_grid, world_grid = rank_pairs()
     out: dict = {}

@@ -299,12 +299,49 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: 
     )
 
 
+class _SummedSlices:
+    """gloo's reduce-scatter composed as an all-to-all of the slices and a local sum: gloo has
+    no reduce-scatter of its own (torch runs it as a reduction of the whole tensor), and the
+    all-to-all moves each rank's (size - 1)/size of it once. Measured at 2 ranks on the 2-core
+    host: 1 MiB 0.62 ms against 1.03 for gloo's reduce-scatter and 2.44 for its all-reduce
+    (median of 30). The sum is chained to the all-to-all's future, so it runs on gloo's thread
+    as soon as the slices are in (behind backward, like the rest of an overlapped reduction);
+    wait() waits for both."""
+
+    def __init__(self, work, chunks: torch.Tensor, out: torch.Tensor):
+        def add_up(_):
+            torch.sum(chunks, dim=0, out=out.view(-1))
+            return out
+
+        self.future = work.get_future().then(add_up)
+
+    def wait(self) -> bool:
+        self.future.wait()
+        return True
+
+
+def _is_gloo(group: Group) -> bool:
+    return dist.get_backend(group.pg) == "gloo"
+
+
 def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool = False):
-    """out (1/size of x) <- this rank's slice of the sum of every rank's `x`."""
+    """out (1/size of x) <- this rank's slice of the sum of every rank's `x`. `out` may be this
+    rank's own slice of `x` (in place, as NCCL allows)."""
     _check(x, group, "reduce_scatter")
     if group.size == 1:
         out.copy_(x.reshape(out.shape))
         return None
+    if _is_gloo(group):
+        chunks = torch.empty((group.size, out.numel()), dtype=x.dtype, device=x.device)
+
+        def composed(a: bool):
+            work = dist.all_to_all_single(chunks, x.reshape(-1), group=group.pg, async_op=a)
+            if a:
+                return _SummedSlices(work, chunks, out)
+            torch.sum(chunks, dim=0, out=out.view(-1))
+            return None
+
+        return _run(group, "reduce_scatter", nbytes(x), composed, async_op)
     return _run(
         group,
         "reduce_scatter",

@@ -8,7 +8,11 @@ as DDP's gradient_as_bucket_view). When the last gradient of a bucket arrives du
 synchronized backward, the bucket's collective is launched asynchronously, so it runs on
 gloo's/NCCL's own threads/streams while backward continues with earlier layers:
 
-- ZeRO 0/1: all_reduce(SUM) of the whole bucket (every rank needs every gradient);
+- ZeRO 0: all_reduce(SUM) of the whole bucket (every rank needs every gradient);
+- ZeRO 1: reduce_scatter(SUM) in place, into this rank's own slice of the bucket (Megatron's
+  distributed optimizer): the optimizer reads only that slice, and the reduction plus the
+  parameter all-gather after the update move what one all-reduce moves. The rest of the
+  buffer keeps this rank's unreduced gradient until zero_grad;
 - ZeRO 2/3: reduce_scatter(SUM): each rank receives only the slice it owns.
 
 SUM is the mean we want: the loss is pre-scaled by 1/(tokens in the global batch).
@@ -83,7 +87,10 @@ class Bucket:
             )
         self.launched = self.in_flight = True
         full = self.view()
-        if not o.sharded:
+        if o.scatter and not o.sharded:
+            own = full[self.spec.shard_numel * o.shard_rank : self.spec.shard_numel * (o.shard_rank + 1)]
+            self.work = comm.reduce_scatter_into(own, full, o.group, async_op=True)
+        elif not o.sharded:
             self.work = comm.all_reduce(full, o.group, async_op=True)
         else:
             self.out = torch.empty(self.spec.shard_numel, dtype=o.grad_dtype, device=o.device)
@@ -117,6 +124,8 @@ class GradBuckets:
         self.grad_dtype, self.device = grad_dtype, device
         self.shard_rank = group.rank if layout.shards > 1 else 0
         self.sharded = zero >= 2
+        # ZeRO 1-3 reduce-scatter: each rank's slices partition the reduced gradient.
+        self.scatter = zero >= 1 and layout.shards > 1
         # ZeRO 0/1 keep the full gradient; ZeRO 2/3 keep only the owned slice between steps.
         self.flat = None if self.sharded else torch.zeros(layout.numel, dtype=grad_dtype, device=device)
         self.shard = None  # ZeRO 2/3: the owned slices, allocated by the first reduce-scatter
@@ -196,7 +205,7 @@ class GradBuckets:
             if bucket.launched:
                 raise RuntimeError(
                     f"data parallel: a gradient for parameter {i} arrived after its bucket was "
-                    "all-reduced (zero 0/1): produce it before the last backward ends"
+                    "reduced (zero 0/1): produce it before the last backward ends"
                 )
             self._views[i].add_(grad)
         else:
@@ -282,7 +291,7 @@ class GradBuckets:
                 t0 = time.perf_counter()
                 for bucket in buckets:
                     full, out = full_scratch[: bucket.numel], out_scratch[: bucket.shard_numel]
-                    if self.sharded:
+                    if self.scatter:
                         comm.reduce_scatter_into(out, full, self.group)
                     else:
                         comm.all_reduce(full, self.group)

@@ -173,14 +173,15 @@ class DataParallel:
         self.grads.accumulate(self._index[id(param)], grad)
 
     def _held(self) -> list[torch.Tensor]:
-        """Per bucket, the reduced gradient this rank holds: all of it (zero 0/1) or its slice."""
-        if self.zero >= 2:
+        """Per bucket, the reduced gradient this rank holds: all of it (zero 0) or its slice
+        (zero 1-3 reduce-scatter)."""
+        if self.grads.scatter:
             return self.grads.owned()
         return [self.grads.bucket_view(b.index) for b in self.layout.buckets]
 
     def _held_segments(self, key) -> list[Segment]:
         """`layout.segments` over what _held() returns, offsets relative to those tensors."""
-        if self.zero >= 2:
+        if self.grads.scatter:
             return self.layout.segments(self._rank, key)
         return [
             Segment(
@@ -231,12 +232,12 @@ class DataParallel:
 
     def grad_sq(self, groups: list = (), exclude: list[nn.Parameter] = ()) -> torch.Tensor:
         """Squared L2 norm of the whole (loss-scaled) gradient, each logical element counted once: squares of the
-        gradient this rank holds (all of it for zero 0/1, its slices for zero 2/3), tensor-
+        gradient this rank holds (all of it for zero 0, its slices for zero 1-3), tensor-
         parallel shards summed over their group (/replicas), all of it summed over dp when the
-        slices partition the gradient (zero >= 2), then over `groups`
+        slices partition the gradient (zero >= 1), then over `groups`
         (e.g. pipeline stages). `exclude`: copies counted elsewhere (a tied embedding's copy in
         the last pipeline stage). Non-finite = overflow."""
-        owned = self._held()  # zero 0/1: the whole reduced gradient, normed without dp traffic
+        owned = self._held()  # zero 0: the whole reduced gradient, normed without dp traffic
         views, index = self._norm_views(owned, frozenset(self._index[id(p)] for p in exclude))
         # One fused kernel for all pieces (fp32 accumulation for bf16/fp16 gradients).
         norms = torch._foreach_norm(views, 2, dtype=torch.float32) if views else []
@@ -244,7 +245,7 @@ class DataParallel:
         total = sq[index[None]].sum() if None in index else torch.zeros((), device=sq.device)
         for name, replicas in sorted(k for k in index if k is not None):
             total = total + comm.all_reduce(sq[index[name, replicas]].sum() / replicas, self._tp_groups[name])
-        if self.zero >= 2:  # the owned slices partition the gradient
+        if self.grads.scatter:  # the owned slices partition the gradient
             comm.all_reduce(total, self.group)
         for group in groups:
             comm.all_reduce(total, group)
@@ -253,7 +254,7 @@ class DataParallel:
     def _norm_views(self, owned: list[torch.Tensor], skip: frozenset) -> tuple[list, dict]:
         """The gradient views grad_sq norms and, per (group, replicas) key (None: replicated),
         a device index of their positions: built once per `exclude` and buffer set, not per
-        step (zero 0/1 hold every dp rank's range: O(dp x params) views), and indexed on the
+        step (zero 0 holds every dp rank's range: O(dp x params) views), and indexed on the
         device without a host-to-device copy each step."""
         ptrs = tuple(t.data_ptr() for t in owned)
         cached = self._norm_cache.get(skip)

@@ -24,8 +24,9 @@ from threefold.model.moe import expert_parameters
 
 def build_data_parallel(chunks: list[nn.Module], grid, fused_adamw: bool | None = None, **kwargs):
     """One engine over grid.dp_cp, or the dense + expert pair when `chunks` hold routed experts.
-    `fused_adamw`: torch's fused AdamW kernel (None: where the parameters live on CUDA; on CPU
-    the foreach path stays, whose updates are bit-identical to torch.optim.AdamW's)."""
+    `fused_adamw`: torch's fused AdamW kernel (train.adamw fused, what `threefold train` runs;
+    None: where the parameters live on CUDA), or the foreach path, whose updates are
+    bit-identical to torch.optim.AdamW's (train.adamw foreach)."""
     experts = expert_parameters(chunks)
     if not experts:
         engine = DataParallel(chunks, grid, **kwargs)

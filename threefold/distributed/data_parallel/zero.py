@@ -3,10 +3,12 @@
 ZeRO (Rajbhandari et al. 2020) stage by stage, with N = dp size:
 - 0: every rank owns every bucket (plain data parallelism; optimizer state replicated).
 - 1: rank r owns slice r of every bucket: fp32 master weights and both Adam moments exist
-     only for that slice (12P/N bytes in mixed precision); after each bucket's update its new
-     parameters are all-gathered into the replicated flat buffer (gather.py: behind the next
-     forward).
-- 2: as 1, and gradients arrive already reduce-scattered: only the owned slice is kept.
+     only for that slice (12P/N bytes in mixed precision); each bucket's gradient is
+     reduce-scattered in place into that slice of the full gradient buffer (buckets.py), and
+     after the bucket's update its new parameters are all-gathered into the replicated flat
+     buffer (gather.py: behind the next forward).
+- 2: as 1, and only the owned gradient slice is kept (the bucket's full gradient is dropped
+     after its reduce-scatter).
 - 3: as 2, and the parameters themselves are sharded (see params.py): the updated slice
      simply stays where it is; the next forward gathers it.
 When the working parameters are fp32, the master weights *are* the owned parameter slices (no
