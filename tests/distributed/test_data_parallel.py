@@ -319,3 +319,26 @@ def test_zero3_keeps_at_most_prefetch_plus_one_blocks_whole():
     store.free(0)
     assert store.wanted == [] and store.state[2] is not None and store.state[0] is None
     assert store.take_peak_held() == layout.buckets[4].numel * 4 + 2 * block
+
+
+def test_zero_2_bucket_starts_uninitialised_and_reduces_an_unused_parameter_as_zero(monkeypatch):
+    """ZeRO 2/3 allocate a bucket's gradient uninitialised and copy each first gradient in: a
+    parameter that got no gradient this step must reduce as zero, not as whatever the memory
+    held (here: NaN, as torch.empty may give)."""
+    from torch import nn
+
+    from threefold.distributed.comm import Group
+    from threefold.distributed.data_parallel.buckets import GradBuckets
+
+    used, unused = nn.Parameter(torch.ones(40)), nn.Parameter(torch.ones(20))  # + 4 elements of padding
+    params = [used, unused]
+    layout = build_layout([tuple(p.shape) for p in params], 1 << 20, 4, 1)
+    grads = GradBuckets(params, layout, Group("dp", [0], None), 2, torch.float32, torch.device("cpu"), False)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    for _ in range(2):  # the second step's bucket is allocated anew
+        (used * 3.0).sum().backward()
+        grads.finish()
+        (owned,) = grads.owned()
+        assert owned[:40].tolist() == [3.0] * 40 and owned[40:].tolist() == [0.0] * (owned.numel() - 40)
+        grads.zero_grad()

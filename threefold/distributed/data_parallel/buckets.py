@@ -56,6 +56,9 @@ class Bucket:
         self.work = None  # the reduction in flight (None: none; a group of one has no handle)
         self.out: torch.Tensor | None = None  # ZeRO 2/3: where the reduce-scatter lands
         self.in_flight = False
+        # ZeRO 2/3: the slots of `full` no gradient has been written to since it was allocated
+        # (uninitialised: a first gradient is copied in, not added to zeros; start() zeroes the rest).
+        self.unwritten: set[int] = set()
 
     def view(self) -> torch.Tensor:
         """The whole (unreduced, or all-reduced) gradient of the bucket."""
@@ -63,8 +66,25 @@ class Bucket:
         if not o.sharded:
             return o.flat[b.start : b.start + b.numel]
         if self.full is None:
-            self.full = torch.zeros(b.numel, dtype=o.grad_dtype, device=o.device)
+            self.full = torch.empty(b.numel, dtype=o.grad_dtype, device=o.device)
+            self.full[self._used() :].zero_()  # the padding
+            self.unwritten = set(b.slots)
         return self.full
+
+    def _used(self) -> int:
+        last = self.owner.layout.slots[self.spec.slots[-1]]
+        return last.start + last.numel - self.spec.start
+
+    def write(self, i: int, grad: torch.Tensor) -> None:
+        """ZeRO 2/3: add parameter i's gradient into the bucket (copy it, if it is the first)."""
+        s = self.owner.layout.slots[i]
+        start = s.start - self.spec.start
+        into = self.view()[start : start + s.numel]
+        if i in self.unwritten:
+            into.copy_(grad.reshape(-1))
+            self.unwritten.discard(i)
+        else:
+            into.add_(grad.reshape(-1))
 
     @property
     def complete(self) -> bool:
@@ -87,6 +107,10 @@ class Bucket:
             )
         self.launched = self.in_flight = True
         full = self.view()
+        for i in self.unwritten:  # parameters without a gradient this step: zero, not garbage
+            s = o.layout.slots[i]
+            full[s.start - self.spec.start : s.start - self.spec.start + s.numel].zero_()
+        self.unwritten = set()
         if o.scatter and not o.sharded:
             own = full[self.spec.shard_numel * o.shard_rank : self.spec.shard_numel * (o.shard_rank + 1)]
             self.work = comm.reduce_scatter_into(own, full, o.group, async_op=True)
@@ -211,8 +235,7 @@ class GradBuckets:
         else:
             if bucket.in_flight:  # ZeRO 2/3 reducing every micro-batch
                 bucket.finish()
-            start = s.start - bucket.spec.start
-            bucket.view()[start : start + s.numel].add_(grad.reshape(-1))
+            bucket.write(i, grad)
         self._arrived(i)
 
     def _arrived(self, i: int) -> None:
