@@ -34,8 +34,8 @@ from threefold.config import Config
 from threefold.data import GlobalBatchSampler, load_tokens
 from threefold.data.split import training_part
 from threefold.data.tokenizer import check_vocab, open_tokenizer
-from threefold.distributed import comm, failures
-from threefold.distributed.comm import all_reduce_max
+from threefold.distributed import failures
+from threefold.distributed.comm import all_reduce_max, all_reduce_sum
 from threefold.distributed.context_parallel.apply import split_microbatches
 from threefold.distributed.data_parallel import MixedPrecision, build_data_parallel
 from threefold.distributed.data_parallel.state import refresh_params
@@ -402,12 +402,6 @@ class Trainer:
         timed = ScheduleFigures.of(pipe) if live else self._schedule_read
         compute_s = self.guard.compute_time(step, timed) if timed is not None else 0.0
         norm = finalize_grads(engine, grid, self.partial, self.tied, self.tied_copy, phase)
-        # The loss over the world (only the last stage computed one; its TP ranks hold the same
-        # value, so one of them counts it), posted now and waited for after the update: no
-        # decision needs it, and a blocking call at the end of the step would wait behind the
-        # parameter gathers the update just started.
-        world_loss = loss_sum * float(grid.tp.rank == 0)
-        loss_work = comm.all_reduce(world_loss, grid.world, async_op=True)
         with phase("optimizer"):
             # One MAX all-reduce: any rank's NaN makes every rank skip, decided on the device
             # (a NaN norm), so the update is queued without waiting for the host.
@@ -421,9 +415,9 @@ class Trainer:
                 self.probe.after_step(engine)
             engine.zero_grad()
         with phase("sync"):
-            # Every scalar of the step in one tensor.
-            comm.wait(loss_work, grid.world)
-            loss_sum = world_loss
+            # The loss over the world (only the last stage computed one; its TP ranks hold the
+            # same value, so one of them counts it), and every scalar of the step in one tensor.
+            loss_sum = all_reduce_sum(loss_sum * float(grid.tp.rank == 0), grid.world)
             applied_t = torch.as_tensor(applied, dtype=torch.float64, device=self.device).reshape(1)
             scale_t = engine.scaler.scale.double().reshape(1)  # after this step's update of the scale
             scalars = [loss_sum.double().reshape(1), norm.double().reshape(1), applied_t, scale_t]
