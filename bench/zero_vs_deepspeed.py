@@ -226,8 +226,8 @@ def contestants(args, r: dict) -> list[str]:
         f"{args.bucket_mb:g} MiB, grad_reduce overlap (reduce-scatters bucket by bucket during backward), "
         "overlap_param_gather true (ZeRO 1/2: each bucket's all-gather starts after its update and the next "
         "forward waits where it first uses it), zero3_prefetch 1 (ZeRO 3: the next block's gather on its own "
-        "communicator); finalize_grads, the ranks' health all-gather, clip at 1.0, the engine's AdamW on CPU "
-        "(torch's foreach arithmetic on flat shards), the loss and metrics reductions.",
+        "communicator); finalize_grads, the ranks' health all-reduce (MAX), clip at 1.0, the engine's AdamW on CPU "
+        "(train.adamw fused: torch's fused kernel on flat shards), the loss and metrics reductions.",
         f"- DeepSpeed {r['deepspeed']}: deepspeed.initialize on DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu) "
         "over the same gloo process group (torch.distributed.init_process_group('gloo'), then "
         "deepspeed.init_distributed(dist_backend='gloo') adopts it); zero_optimization stage N with overlap_comm "
