@@ -169,18 +169,24 @@ def test_pipeline_on_shared_cores_is_bounded_by_critical_path_and_total_work():
 
     # All the model's work for one micro-batch at a full core (prior efficiency 0.5, 0.05 TFLOP/s).
     whole = (shape.layers * shape.layer_hw_flops["none"] + shape.head_flops) * shape.seq_len / 0.5 / 0.05e12
+    layer = shape.layer_hw_flops["none"] * shape.seq_len / 0.5 / 0.05e12
+    head = shape.head_flops * shape.seq_len / 0.5 / 0.05e12
+    # One micro-batch of the ranks the fill and drain pass through (the p - 1 besides the slowest):
+    # pp 4 cuts the 6 layers 2, 2, 2, 1 + head (rank 0 slowest); pp 2 cuts 3, 3 + head (the last).
+    fills = {4: (2 * 2 * layer + layer + head) / 3, 2: 3 * layer}
     for lay in (Layout(pp=4, dp=1, mbs=2), Layout(pp=2, dp=2, mbs=4)):
         m, p = lay.microbatches(B), lay.pp
         ratio = bubble_ratio("1f1b", p, m, 1)
         alone = work(lay, 4)
-        # A core per process: the slowest stage's work plus the bubble at full speed.
-        assert alone["bubble"] == pytest.approx(ratio * alone["compute"])
+        # A core per process: m of the slowest rank's passes, and the bubble at full speed.
+        fill = fills[p] * lay.mbs
+        assert alone["bubble"] == pytest.approx(m * ratio * fill)
         for cores, exponent in ((2, 1.0), (2, 1.3), (3, 1.0)):
             share = (cores / 4) ** exponent
             shared = work(lay, cores, exponent)
             # Ranks idle in the bubble leave their cores to the others: the step is the larger of
             # the critical path at a full core and every rank's work spread over the shared cores.
-            expected = max(m * (1 + ratio) * alone["compute"] / m, m * lay.mbs * whole / p / share)
+            expected = max(alone["compute"] + m * ratio * fill, m * lay.mbs * whole / p / share)
             assert sum(shared.values()) == pytest.approx(expected)
             assert shared["compute"] <= alone["compute"] / share + 1e-12 and shared["bubble"] >= 0
             # The naive model, the bubble at the share too, is slower than both bounds.

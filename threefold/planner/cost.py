@@ -24,7 +24,8 @@ The categories of one optimizer step on the slowest pipeline rank:
     ep_comm    per MoE block and micro-batch, the all-to-alls of expert parallelism
     pp_comm    the slowest rank's own point-to-point transfers (these three and the links each group
                runs over: planner/comm_cost.py)
-    bubble     (compute + recompute + tp_comm + ep_comm + layer overhead) * B/(1-B), B = bubble_theory(...):
+    bubble     a fill-and-drain rank's (compute + recompute + tp_comm + ep_comm + layer overhead) * B/(1-B),
+               the mean of the p - 1 ranks other than the slowest, B = bubble_theory(...):
                the ideal-time form (p-1)/m (gpipe, 1f1b), (p-1)/(v m) (interleaved), (p-1)/(3m) (zb).
                Processes sharing too few cores (cpu): what the larger of the critical path at a
                full core and all ranks' work over the cores leaves beyond the rank's own work
@@ -222,7 +223,7 @@ def step_terms(
     m = step.microbatches
     rank, slowest, lightest = _slowest_and_lightest_rank(step)
     categories: dict[str, Terms] = {name: _scaled(terms, m) for name, terms in slowest.items()}
-    _add_bubble(step, categories, slowest)
+    _add_bubble(step, categories, slowest, _fill_and_drain_rank(step, slowest, lightest))
     categories["pp_comm"] = _pp_comm_terms(step, slowest)
     dense, expert = _most_state_held(step)
     categories["dp_comm"] = _dp_comm_terms(step, dense, expert, rank, slowest)
@@ -315,16 +316,34 @@ def _compute_terms(step: _StepInputs, layers: int, has_head: bool) -> tuple[Term
     return compute, _scaled(rerun, 1)  # without the zero entries
 
 
-def _add_bubble(step: _StepInputs, categories: dict[str, Terms], slowest: dict[str, Terms]) -> None:
-    """categories["bubble"]: the slowest rank's micro-batch work times m B/(1-B); processes that
-    share too few cores (cpu) rescale the work categories too (_oversubscribed_pipeline)."""
+def _fill_and_drain_rank(step: _StepInputs, slowest: dict[str, Terms], lightest: dict[str, Terms]) -> dict[str, Terms]:
+    """One micro-batch's work of a rank the fill and drain pass through: the mean of the p - 1
+    ranks other than the slowest. The slowest rank sets the steady state (m of its passes); the
+    first micro-batch's forward reaches it, and the last one's backward leaves it, through the
+    others, so a 1F1B step is m t_slowest + (p - 1) t_other, not (m + p - 1) t_slowest (a last
+    stage that also runs the vocabulary head does not lengthen the fill). Ranks between the
+    first and the last hold what rank 0 holds (model.split_layers), so the others are p - 2 of
+    those and the lighter end rank."""
+    p = step.layout.pp
+    if p <= 2:
+        return lightest
+    middle = _micro_batch_terms(step, step.shape.stage_split(p, step.layout.vpp).first_layers, False, False)
+    return {c: merge_terms(_scaled(middle[c], (p - 2) / (p - 1)), _scaled(lightest[c], 1 / (p - 1))) for c in middle}
+
+
+def _add_bubble(
+    step: _StepInputs, categories: dict[str, Terms], slowest: dict[str, Terms], other: dict[str, Terms]
+) -> None:
+    """categories["bubble"]: a fill-and-drain rank's micro-batch work times m B/(1-B)
+    (_fill_and_drain_rank); processes that share too few cores (cpu) rescale the work categories
+    too (_oversubscribed_pipeline)."""
     layout, m, share = step.layout, step.microbatches, step.cluster.core_share
     ratio = bubble_ratio(layout.schedule, layout.pp, m, layout.vpp)
     if layout.pp > 1 and share < 1.0:
         whole_model = _micro_batch_terms(step, step.shape.layers, True, True)
-        _oversubscribed_pipeline(categories, slowest, whole_model, m, layout.pp, ratio, share)
+        _oversubscribed_pipeline(categories, slowest, other, whole_model, m, layout.pp, ratio, share)
     else:
-        categories["bubble"] = _scaled(merge_terms(*slowest.values()), m * ratio)
+        categories["bubble"] = _scaled(merge_terms(*other.values()), m * ratio)
 
 
 def _pp_comm_terms(step: _StepInputs, mb: dict[str, Terms]) -> Terms:
@@ -428,17 +447,26 @@ WORK = ("compute", "recompute", "overhead")
 
 
 def _oversubscribed_pipeline(
-    cats: dict[str, Terms], mb: dict[str, Terms], whole: dict[str, Terms], m: int, p: int, ratio: float, share: float
+    cats: dict[str, Terms],
+    mb: dict[str, Terms],
+    other: dict[str, Terms],
+    whole: dict[str, Terms],
+    m: int,
+    p: int,
+    ratio: float,
+    share: float,
 ) -> None:
     """Pipeline ranks that share too few cores (cpu: more processes than cores): a rank waiting
     in the bubble leaves its core to the others, so the step is bounded below both by the
-    critical path at a full core each, m (1 + ratio) times the slowest rank's work, and by all
+    critical path at a full core each, m times the slowest rank's work and m ratio times a
+    fill-and-drain rank's (_fill_and_drain_rank), and by all
     ranks' work spread over the cores, m times the average rank's work at the share. The
     larger of the two (per parameter, which keeps the terms linear) is the work the slowest
     rank's categories and the bubble split: its own work at the share where the step is that
     long, the rest bubble. Only a critical-path-bound step idles in the bubble's collectives."""
     work = merge_terms(*(mb[c] for c in WORK))
-    critical = _scaled(work, m * (1 + ratio) * share)
+    fill = merge_terms(*(other[c] for c in WORK))
+    critical = _scaled(merge_terms(work, _scaled(fill, ratio)), m * share)
     spread = _scaled(merge_terms(*(whole[c] for c in WORK)), m / p)
     total = {k: max(critical.get(k, 0.0), spread.get(k, 0.0)) for k in set(critical) | set(spread)}
     own = merge_terms(*(cats[c] for c in WORK))
@@ -449,5 +477,6 @@ def _oversubscribed_pipeline(
     bubble = {k: total[k] - fit * own.get(k, 0.0) for k in total}
     flops = "compute_efficiency"
     if critical.get(flops, 0.0) >= spread.get(flops, 0.0):
-        bubble = merge_terms(bubble, _scaled(merge_terms(mb["tp_comm"], mb["cp_comm"], mb["ep_comm"]), m * ratio))
+        waits = merge_terms(other["tp_comm"], other["cp_comm"], other["ep_comm"])
+        bubble = merge_terms(bubble, _scaled(waits, m * ratio))
     cats["bubble"] = {k: c for k, c in bubble.items() if c > 0}
