@@ -153,3 +153,20 @@ def rank_pairs():
 
 def flat_params(params: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([params[n].float().reshape(-1) for n in sorted(params)])
+
+
+def quiet_trainer(data: str, root, steps: int, **extra) -> Trainer:
+    """A single-process Trainer of the small run for `steps` steps: logs under root/log, no
+    checkpoints, no traced steps, one report at most."""
+    cfg = make_cfg(
+        data,
+        **{
+            "train.steps": steps,
+            "log.interval": 100,
+            "log.trace_steps": "",
+            "log.dir": str(root / "log"),
+            "checkpoint.dir": "",
+            **extra,
+        },
+    )
+    return Trainer(cfg, make_grid(), torch.device("cpu"), log=lambda *args: None)

@@ -4,28 +4,13 @@ same run to fp32 rounding."""
 
 from __future__ import annotations
 
-import torch
-
-from threefold.training.trainer import Trainer
-
-from dp_checks import make_cfg, make_grid
+from dp_checks import quiet_trainer
 
 STEPS = 4
 
 
-def _run(data: str, tmp_path, **extra) -> tuple[set, list[float]]:
-    cfg = make_cfg(
-        data,
-        **{
-            "train.steps": STEPS,
-            "log.interval": 100,
-            "log.trace_steps": "",
-            "log.dir": str(tmp_path / "log"),
-            "checkpoint.dir": "",
-            **extra,
-        },
-    )
-    trainer = Trainer(cfg, make_grid(), torch.device("cpu"), log=lambda *args: None)
+def _run(data: str, root, **extra) -> tuple[set, list[float]]:
+    trainer = quiet_trainer(data, root, STEPS, **extra)
     kernels = {part.optimizer.fused for part in trainer.engine.parts}
     losses = [trainer.train_step(step).loss for step in range(STEPS)]
     return kernels, losses

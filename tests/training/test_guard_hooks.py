@@ -8,30 +8,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from threefold.training.faults import FaultInjector
 from threefold.training.trainer import Trainer
 
-from dp_checks import make_cfg, make_grid
+from dp_checks import quiet_trainer
 
 STEPS = 4
 HOOKS = ("before_step", "after_step", "after_record", "close")
 
 
 def _trainer(data: str, root: Path, **extra) -> Trainer:
-    cfg = make_cfg(
-        data,
-        **{
-            "train.steps": STEPS,
-            "log.interval": 100,
-            "log.trace_steps": "",
-            "log.dir": str(root / "log"),
-            "checkpoint.dir": "",
-            **extra,
-        },
-    )
-    return Trainer(cfg, make_grid(), torch.device("cpu"), log=lambda *args: None)
+    return quiet_trainer(data, root, STEPS, **extra)
 
 
 def _hook_calls(trainer: Trainer) -> list[tuple]:

@@ -309,15 +309,16 @@ class _SummedSlices:
     wait() waits for both."""
 
     def __init__(self, work, chunks: torch.Tensor, out: torch.Tensor):
-        def add_up(_):
-            torch.sum(chunks, dim=0, out=out.view(-1))
-            return out
-
-        self.future = work.get_future().then(add_up)
+        self.future = work.get_future().then(lambda _: _sum_slices(chunks, out))
 
     def wait(self) -> bool:
         self.future.wait()
         return True
+
+
+def _sum_slices(chunks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out <- the sum of the slices every rank sent this one (chunks: size x out's elements)."""
+    return torch.sum(chunks, dim=0, out=out.view(-1))
 
 
 def _is_gloo(group: Group) -> bool:
@@ -338,7 +339,7 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group, async_
             work = dist.all_to_all_single(chunks, x.reshape(-1), group=group.pg, async_op=a)
             if a:
                 return _SummedSlices(work, chunks, out)
-            torch.sum(chunks, dim=0, out=out.view(-1))
+            _sum_slices(chunks, out)
             return None
 
         return _run(group, "reduce_scatter", nbytes(x), composed, async_op)

@@ -23,10 +23,10 @@ with the step's scalars as dp_exposed_s, never inside the step). That figure als
 load imbalance (waiting for a slower peer to finish *its* backward), which no overlap can
 hide, so `finish()` also records when backward ended and when the reductions were done
 (CLOCK_MONOTONIC via perf_counter, comparable across processes of one host): exposed
-communication = done - latest backward end over dp. gloo does not report completion of an
-async reduce_scatter before `wait()` (no future, `is_completed()` stays False), so in-flight
-time cannot be observed directly; the *cost* to hide is measured by `time_serial()`, which
-replays the same collectives blocking on scratch buffers. hidden = 1 - exposed / serial.
+communication = done - latest backward end over dp. An asynchronous reduction's completion
+is not observed before `wait()`, so in-flight time cannot be measured directly; the *cost* to
+hide is measured by `time_serial()`, which replays the same collectives blocking on scratch
+buffers. hidden = 1 - exposed / serial.
 """
 
 from __future__ import annotations
@@ -75,11 +75,15 @@ class Bucket:
         last = self.owner.layout.slots[self.spec.slots[-1]]
         return last.start + last.numel - self.spec.start
 
-    def write(self, i: int, grad: torch.Tensor) -> None:
-        """ZeRO 2/3: add parameter i's gradient into the bucket (copy it, if it is the first)."""
+    def _slot(self, i: int) -> torch.Tensor:
+        """Parameter i's part of the bucket's gradient."""
         s = self.owner.layout.slots[i]
         start = s.start - self.spec.start
-        into = self.view()[start : start + s.numel]
+        return self.view()[start : start + s.numel]
+
+    def write(self, i: int, grad: torch.Tensor) -> None:
+        """ZeRO 2/3: add parameter i's gradient into the bucket (copy it, if it is the first)."""
+        into = self._slot(i)
         if i in self.unwritten:
             into.copy_(grad.reshape(-1))
             self.unwritten.discard(i)
@@ -97,8 +101,8 @@ class Bucket:
         return not self.in_flight and (self.full is not None if self.owner.sharded else not self.launched)
 
     def start(self) -> None:
-        """Launch the bucket's reduction asynchronously: all-reduce (ZeRO 0/1) or reduce-scatter
-        into this rank's slice (ZeRO 2/3)."""
+        """Launch the bucket's reduction asynchronously: all-reduce (ZeRO 0), reduce-scatter in
+        place into this rank's slice of the buffer (ZeRO 1) or into a slice of its own (ZeRO 2/3)."""
         o = self.owner
         if not o.sharded and self.launched:
             raise RuntimeError(
@@ -106,13 +110,12 @@ class Bucket:
                 "gradients twice (zero 0/1): run all but the last micro-batch under no_sync()"
             )
         self.launched = self.in_flight = True
-        full = self.view()
         for i in self.unwritten:  # parameters without a gradient this step: zero, not garbage
-            s = o.layout.slots[i]
-            full[s.start - self.spec.start : s.start - self.spec.start + s.numel].zero_()
+            self._slot(i).zero_()
         self.unwritten = set()
+        full = self.view()
         if o.scatter and not o.sharded:
-            own = full[self.spec.shard_numel * o.shard_rank : self.spec.shard_numel * (o.shard_rank + 1)]
+            own = o.flat[slice(*self.spec.shard_range(o.shard_rank))]
             self.work = comm.reduce_scatter_into(own, full, o.group, async_op=True)
         elif not o.sharded:
             self.work = comm.all_reduce(full, o.group, async_op=True)
