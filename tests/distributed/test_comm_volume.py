@@ -69,18 +69,18 @@ def expected(cfg, stage: int) -> dict[str, tuple[int, int]]:
         tp_calls += micro * table["loss"].both.calls
         tp_bytes += micro * LOSS_FP32_PER_TOKEN * SEQ * MB * 4
     # PP: one send per micro-batch (activations forward, or their gradients backward); the
-    # spans' pipeline flush (1 float) and the norm's sum over stages (fp32).
-    pp = (micro + 2, micro * x + 4 + 4)
+    # spans' pipeline flush (1 float) and the norm's sum over stages, the loss riding it (2 fp64).
+    pp = (micro + 2, micro * x + 4 + 16)
     # DP, ZeRO 1: each bucket's gradients reduce-scattered into this rank's slice and its
     # updated parameters all-gathered (each the padded buffer), and the norm's squared sum over
-    # the slices (one fp32 scalar).
+    # the slices with the step's loss beside it (2 fp64).
     numel, buckets = padded_numel(cfg, stage)
-    dp = (2 * buckets + 1, 2 * numel * 4 + 4)
+    dp = (2 * buckets + 1, 2 * numel * 4 + 16)
     # World: the control plane's MAX of 8 fp64 (two non-finite flags, memory, data wait, pipeline
-    # wait and idle, compute time, a stop signal) and the loss's SUM (fp64), whatever the world size; every step
-    # here is a report step (log.interval 1): each rank's compute time (fp64) gathered to rank 0,
-    # which handles all eight (see rank_0_world).
-    world = (3, 8 * 8 + 8 + 8)
+    # wait and idle, compute time, a stop signal), whatever the world size (the loss rode the
+    # norm's sums); every step here is a report step (log.interval 1): each rank's compute time
+    # (fp64) gathered to rank 0, which handles all eight (see rank_0_world).
+    world = (2, 8 * 8 + 8)
     return {"tp": (tp_calls, tp_bytes), "pp": pp, "dp": dp, "ep": (0, 0), "world": world}
 
 
@@ -100,5 +100,5 @@ def test_every_group_carries_what_the_layout_implies(spans):
         for rank in record["ranks"]:
             got = {g: (rank["comm_calls"][g], rank["comm_bytes"][g]) for g in ("tp", "pp", "dp", "ep", "world")}
             world = TP * PP * DP
-            rank_0_world = {"world": (3, 8 * 8 + 8 + 8 * world)} if rank["rank"] == 0 else {}
+            rank_0_world = {"world": (2, 8 * 8 + 8 * world)} if rank["rank"] == 0 else {}
             assert got == {**want[rank["pp"]], **rank_0_world}, (record["step"], rank["rank"])

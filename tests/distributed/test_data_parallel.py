@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from threefold.distributed.data_parallel import DataParallel, MixedPrecision, predict_memory
 from threefold.distributed.data_parallel.adamw import adamw_update
-from threefold.distributed.data_parallel.layout import ALIGN, build_layout
+from threefold.distributed.data_parallel.layout import ALIGN, build_layout, share_of
 from threefold.distributed.grid import Grid, RankLayout
 from threefold.distributed.parallelize import build_model
 from threefold.errors import ConfigError
@@ -61,6 +61,19 @@ def test_layout_buckets_follow_backward_order_and_shard_evenly():
     assert owned == expected
     units = build_layout(shapes, 1.0, 4, 2, groups=[[0, 1], [2, 3, 4]])
     assert [b.slots for b in units.buckets] == [(0, 1), (2, 3, 4)]
+
+
+def test_zero_0_replicas_square_shares_that_partition_the_gradient():
+    """ZeRO 0's norm: each replica squares a share of the pieces of the (identical) reduced
+    gradient; the shares must cover every piece once and carry similar sizes."""
+    layout = build_layout([(64, 32), (32,), (128, 32), (32,), (10, 3), (96, 32)], 4 * 2048, 4, 1)
+    pieces = layout.segments(0, key=lambda slot: slot.index)
+    for parts in (1, 2, 3, 4, 8):
+        shares = [share_of(pieces, parts, r) for r in range(parts)]
+        assert sorted(seg.key for share in shares for seg in share) == [seg.key for seg in pieces]  # each once
+        assert all(share == [seg for seg in pieces if seg in share] for share in shares)  # in order
+        loads = [sum(seg.hi - seg.lo for seg in share) for share in shares]
+        assert max(loads) - min(loads) <= max(seg.hi - seg.lo for seg in pieces), loads
 
 
 def test_solo_parameter_is_sliced_the_same_whatever_surrounds_it():

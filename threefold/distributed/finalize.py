@@ -13,7 +13,8 @@
 3. Tied embedding: the first stage's embedding and the last stage's copy in the head are
    summed over grid.embed, so both hold the gradient of the one logical weight.
 4. The global gradient norm over every group (tp shards counted once, dp slices under
-   ZeRO 2/3, pipeline stages), the tied copy counted once.
+   ZeRO 1-3 or shares of the replicated gradient under ZeRO 0, pipeline stages), the tied
+   copy counted once. The step's loss rides its dp and pipeline sums (`carry`).
 
 `span(category)` times each part as its span category (dp_exposed, tp_comm, sync,
 optimizer); the step's observer passes its phase, or nothing when spans are off.
@@ -32,10 +33,18 @@ def _untimed(category: str):
 
 
 def finalize_grads(
-    engine, grid, partial: list[nn.Parameter], tied: list[nn.Parameter], tied_copy: list[nn.Parameter], span=_untimed
+    engine,
+    grid,
+    partial: list[nn.Parameter],
+    tied: list[nn.Parameter],
+    tied_copy: list[nn.Parameter],
+    span=_untimed,
+    carry: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce every gradient of this step (see the module docstring); returns the global norm
-    (divided by the loss scale: the norm of the true gradient; non-finite on overflow)."""
+    (divided by the loss scale: the norm of the true gradient; non-finite on overflow).
+    `carry` (float64, 1-D) is summed in place over dp_cp and the stages by the norm's own
+    collectives: values every rank of one tp coordinate adds once, like the step's loss."""
     with span("dp_exposed"):
         engine.finish()
     with span("tp_comm"):
@@ -44,4 +53,4 @@ def finalize_grads(
         if tied:
             engine.all_reduce_grads_of(tied, grid.embed)
     with span("optimizer"):
-        return engine.grad_norm([grid.pp], exclude=tied_copy)
+        return engine.grad_norm([grid.pp], exclude=tied_copy, carry=carry)

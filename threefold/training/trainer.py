@@ -35,7 +35,7 @@ from threefold.data import GlobalBatchSampler, load_tokens
 from threefold.data.split import training_part
 from threefold.data.tokenizer import check_vocab, open_tokenizer
 from threefold.distributed import failures
-from threefold.distributed.comm import all_reduce_max, all_reduce_sum
+from threefold.distributed.comm import all_reduce_max
 from threefold.distributed.context_parallel.apply import split_microbatches
 from threefold.distributed.data_parallel import MixedPrecision, build_data_parallel
 from threefold.distributed.data_parallel.state import refresh_params
@@ -401,7 +401,11 @@ class Trainer:
         live = self.device.type != "cuda" and not self.read_lag
         timed = ScheduleFigures.of(pipe) if live else self._schedule_read
         compute_s = self.guard.compute_time(step, timed) if timed is not None else 0.0
-        norm = finalize_grads(engine, grid, self.partial, self.tied, self.tied_copy, phase)
+        # The loss over the world rides the norm's sums over dp and the stages: only the last
+        # stage computed one, and each rank's sums run over its own tp coordinate (every TP
+        # rank holds the same loss), so each replica's loss is counted once.
+        world_loss = loss_sum.reshape(1).clone()
+        norm = finalize_grads(engine, grid, self.partial, self.tied, self.tied_copy, phase, carry=world_loss)
         with phase("optimizer"):
             # One MAX all-reduce: any rank's NaN makes every rank skip, decided on the device
             # (a NaN norm), so the update is queued without waiting for the host.
@@ -415,12 +419,10 @@ class Trainer:
                 self.probe.after_step(engine)
             engine.zero_grad()
         with phase("sync"):
-            # The loss over the world (only the last stage computed one; its TP ranks hold the
-            # same value, so one of them counts it), and every scalar of the step in one tensor.
-            loss_sum = all_reduce_sum(loss_sum * float(grid.tp.rank == 0), grid.world)
+            # Every scalar of the step in one tensor.
             applied_t = torch.as_tensor(applied, dtype=torch.float64, device=self.device).reshape(1)
             scale_t = engine.scaler.scale.double().reshape(1)  # after this step's update of the scale
-            scalars = [loss_sum.double().reshape(1), norm.double().reshape(1), applied_t, scale_t]
+            scalars = [world_loss, norm.double().reshape(1), applied_t, scale_t]
             scalars.append(self.guard.take_pending())
             if step == self.start_step:  # start-up's long deadline ends with the first step (distributed/runtime.py)
                 startup_done(grid)

@@ -29,7 +29,7 @@ from torch import nn
 from threefold.distributed import comm
 from threefold.distributed.data_parallel.buckets import GradBuckets
 from threefold.distributed.data_parallel.gather import ParamGather
-from threefold.distributed.data_parallel.layout import Segment, build_layout
+from threefold.distributed.data_parallel.layout import Segment, build_layout, share_of
 from threefold.distributed.data_parallel.params import FlatParams, ShardedParams, storage_device
 from threefold.distributed.data_parallel.precision import LossScaler, MixedPrecision
 from threefold.distributed.data_parallel.zero import ZeroAdamW
@@ -38,6 +38,22 @@ from threefold.errors import ConfigError
 from threefold.model.sharding import sharding_of
 
 MiB = 1 << 20
+
+
+def sum_over(total: torch.Tensor, groups, carry: torch.Tensor | None = None) -> torch.Tensor:
+    """`total` (a 0-d fp32 square sum) summed over each of `groups` in turn; `carry` (float64,
+    1-D), if given, summed in place in the same collectives."""
+    if carry is None:
+        for group in groups:
+            comm.all_reduce(total, group)
+        return total
+    # The squares in float64 beside the carry: two fp32 values summed in float64 and rounded
+    # back give their fp32 sum.
+    sums = torch.cat([total.double().reshape(1), carry])
+    for group in groups:
+        comm.all_reduce(sums, group)
+    carry.copy_(sums[1:])
+    return sums[0].float()
 
 
 class DataParallel:
@@ -223,21 +239,36 @@ class DataParallel:
                 self._tp_groups[s.group.name] = s.group
 
         # One segment per parameter piece, so grad_norm may leave single parameters out.
-        return self._held_segments(lambda slot: (index_key[slot.index], slot.index))
+        segments = self._held_segments(lambda slot: (index_key[slot.index], slot.index))
+        if self.grads.scatter or self.group.size == 1:
+            return segments
+        # ZeRO 0: every replica holds the same reduced gradient, so each squares a share of its
+        # pieces and the shares are summed over the group (the sum grad_sq's loss rides anyway).
+        return share_of(segments, self.group.size, self.group.rank)
 
-    def grad_norm(self, groups: list = (), exclude: list[nn.Parameter] = ()) -> torch.Tensor:
-        """L2 norm of the whole gradient (see grad_sq), divided by the loss scale."""
-        norm = self.grad_sq(groups, exclude).sqrt()
+    def grad_norm(
+        self, groups: list = (), exclude: list[nn.Parameter] = (), carry: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """L2 norm of the whole gradient (see grad_sq), divided by the loss scale. `carry`: a
+        float64 vector summed in place by the same collectives (the step's loss)."""
+        norm = self.grad_sq(groups, exclude, carry).sqrt()
         return norm / self.scaler.scale if self.scaler.enabled else norm
 
-    def grad_sq(self, groups: list = (), exclude: list[nn.Parameter] = ()) -> torch.Tensor:
-        """Squared L2 norm of the whole (loss-scaled) gradient, each logical element counted once: squares of the
-        gradient this rank holds (all of it for zero 0, its slices for zero 1-3), tensor-
-        parallel shards summed over their group (/replicas), all of it summed over dp when the
-        slices partition the gradient (zero >= 1), then over `groups`
-        (e.g. pipeline stages). `exclude`: copies counted elsewhere (a tied embedding's copy in
-        the last pipeline stage). Non-finite = overflow."""
-        owned = self._held()  # zero 0: the whole reduced gradient, normed without dp traffic
+    def grad_sq(
+        self, groups: list = (), exclude: list[nn.Parameter] = (), carry: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Squared L2 norm of the whole (loss-scaled) gradient, each logical element counted
+        once: squares of this rank's part of the gradient (its slices for zero 1-3, its share
+        of the replicated gradient for zero 0), tensor-parallel shards summed over their group
+        (/replicas), then summed over dp and over `groups` (e.g. pipeline stages). `exclude`:
+        copies counted elsewhere (a tied embedding's copy in the last pipeline stage).
+        Non-finite = overflow. `carry` (float64, 1-D) is summed in place in the same dp and
+        `groups` collectives: no call of its own."""
+        return sum_over(self._local_sq(exclude), (self.group, *groups), carry)
+
+    def _local_sq(self, exclude: list[nn.Parameter]) -> torch.Tensor:
+        """This rank's squares, tensor-parallel shards already summed over their groups."""
+        owned = self._held()
         views, index = self._norm_views(owned, frozenset(self._index[id(p)] for p in exclude))
         # One fused kernel for all pieces (fp32 accumulation for bf16/fp16 gradients).
         norms = torch._foreach_norm(views, 2, dtype=torch.float32) if views else []
@@ -245,10 +276,6 @@ class DataParallel:
         total = sq[index[None]].sum() if None in index else torch.zeros((), device=sq.device)
         for name, replicas in sorted(k for k in index if k is not None):
             total = total + comm.all_reduce(sq[index[name, replicas]].sum() / replicas, self._tp_groups[name])
-        if self.grads.scatter:  # the owned slices partition the gradient
-            comm.all_reduce(total, self.group)
-        for group in groups:
-            comm.all_reduce(total, group)
         return total
 
     def _norm_views(self, owned: list[torch.Tensor], skip: frozenset) -> tuple[list, dict]:

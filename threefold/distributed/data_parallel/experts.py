@@ -17,8 +17,7 @@ import contextlib
 import torch
 from torch import nn
 
-from threefold.distributed import comm
-from threefold.distributed.data_parallel.engine import DataParallel, step_engines
+from threefold.distributed.data_parallel.engine import DataParallel, step_engines, sum_over
 from threefold.model.moe import expert_parameters
 
 
@@ -75,12 +74,14 @@ class ExpertDataParallel:
         for e in self.parts:
             e.all_reduce_grads_of([p for p in params if e.owns(p)], group)
 
-    def grad_norm(self, groups: list = (), exclude: list[nn.Parameter] = ()) -> torch.Tensor:
+    def grad_norm(
+        self, groups: list = (), exclude: list[nn.Parameter] = (), carry: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Both engines' squares (each over its own groups: experts once per ep shard), then
-        summed over `groups` once (pipeline stages may have no experts at all)."""
-        total = self.dense.grad_sq([], exclude) + self.experts.grad_sq([])
-        for group in groups:
-            comm.all_reduce(total, group)
+        summed over `groups` once (pipeline stages may have no experts at all); `carry` rides
+        the dense engine's sums and then those over `groups` (DataParallel.grad_sq)."""
+        total = self.dense.grad_sq([], exclude, carry) + self.experts.grad_sq([])
+        total = sum_over(total, groups, carry)
         return total.sqrt() / self.scaler.scale if self.scaler.enabled else total.sqrt()
 
     def step(self, lr: float, grad_norm: torch.Tensor, max_norm: float = 0.0) -> bool | torch.Tensor:

@@ -100,6 +100,20 @@ class BucketLayout:
         return out
 
 
+def share_of(segments: list[Segment], parts: int, part: int) -> list[Segment]:
+    """The segments `part` of `parts` takes when whole segments are dealt out by size (largest
+    first, each to the least loaded part; ties to the lower part), in their original order:
+    every part computes the same deal, so the shares partition the segments."""
+    load = [0] * parts
+    mine = set()
+    for i in sorted(range(len(segments)), key=lambda i: (-(segments[i].hi - segments[i].lo), i)):
+        taker = min(range(parts), key=lambda p: (load[p], p))
+        load[taker] += segments[i].hi - segments[i].lo
+        if taker == part:
+            mine.add(i)
+    return [seg for i, seg in enumerate(segments) if i in mine]
+
+
 def _pad(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
