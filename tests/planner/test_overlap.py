@@ -66,3 +66,23 @@ def test_zero_gathers_priced_as_the_engine_runs_them():
     assert two.memory.buffers - one.memory.buffers == pytest.approx(layer)
     assert Layout(zero=3, zero3_prefetch=2).spec().endswith("zero3_prefetch=2")
     assert "zero3_prefetch" not in Layout(zero=3).spec()
+
+
+def test_blocking_pipeline_exchanges_are_exposed_and_scatter_gather_splits_them():
+    """pp_overlap 0 (Megatron-LM's blocking batch_isend_irecv before 2023): every exchange exposed,
+    each send moving at once with a receive; pp_scatter_gather without SP: 1/tp of each activation
+    over the pipeline link, the receivers all-gathering it over the TP link."""
+    # Latencies of 0 would take the profile's: a picosecond leaves the bytes alone.
+    flat = {"overlap_slowdown": 0.0, "inter_latency_us": 1e-6, "intra_latency_us": 1e-6, "collective_overhead_us": 0}
+    layout = Layout(tp=8, pp=4, dp=1, mbs=1)
+    hidden, blocking = (_comm({**flat, "pp_overlap": share}, layout, 64)["pp_comm"] for share in (-1.0, 0.0))
+    assert blocking > hidden > 0
+    # A middle rank: 4 m transfers of s b h, half of them on the link's other direction.
+    m, x = 64, SHAPE.seq_len * SHAPE.hidden * 2
+    link = build_cluster({"device": "h100", "nodes": 4}).inter_bw_gbps * 1e9
+    assert blocking == pytest.approx(2 * m * x / link)
+    split = _comm({**flat, "pp_overlap": 0.0, "pp_scatter_gather": True}, layout, 64)["pp_comm"]
+    gathers = 2 * m * 7 / 8 * x / (build_cluster({"device": "h100"}).intra_bw_gbps * 1e9)
+    assert split == pytest.approx(blocking / 8 + gathers)
+    with pytest.raises(ConfigError, match="cluster.pp_overlap"):
+        build_cluster({"device": "h100", "pp_overlap": 2.0})

@@ -323,3 +323,29 @@ def test_unfused_square_attention_computes_and_moves_every_score():
     assert slower > 1.2 * predict(model_shape(long), causal, layout, 64).times["compute"]
     with pytest.raises(ConfigError, match="cluster.attention_scores"):
         build_cluster({"device": "a100-80gb", "attention_scores": "square"})  # the profile's kernel is fused
+
+
+def test_unfused_attention_dropout_and_selective_rerun_move_the_probabilities_again():
+    """attention_dropout (Megatron-LM's --attention-dropout): dropout reads the probabilities and
+    writes the dropped ones and a 1-byte mask forward, the mirror backward; selective recompute
+    reruns the unfused softmax and dropout with the core's GEMMs. A fused kernel moves neither."""
+    from threefold.planner.kernels import attention_dropout_bytes, rerun_attention_bytes, softmax_bytes
+
+    long = model([("model.preset", "small"), ("model.seq_len", "2048")])
+    shape, heads, s = model_shape(long), long.heads, long.seq_len
+    assert attention_dropout_bytes(long, 2, 2, square=True) == pytest.approx(heads / 2 * s * 5)
+    assert rerun_attention_bytes(long, 1, 2, True, dropout=True) == pytest.approx(
+        softmax_bytes(long, 1, 2, True) + attention_dropout_bytes(long, 1, 2, True)
+    )
+    unfused = {"device": "a100-80gb", "attention_efficiency": 0, "attention_scores": "square"}
+    layout, batch = Layout(dp=8, mbs=2, recompute="selective"), 64
+    plain, dropped = (
+        step_terms(shape, build_cluster({**unfused, "attention_dropout": d}), layout, batch) for d in (False, True)
+    )
+    tokens, m = 2 * s, batch // 16
+    extra = dropped.categories["compute"]["elementwise_bw_gbps"] - plain.categories["compute"]["elementwise_bw_gbps"]
+    assert extra == pytest.approx(2 * m * long.layers * tokens * attention_dropout_bytes(long, 1, 2, True))
+    rerun = dropped.categories["recompute"]["elementwise_bw_gbps"]
+    assert rerun == pytest.approx(m * long.layers * tokens * rerun_attention_bytes(long, 1, 2, True, dropout=True))
+    fused = step_terms(shape, build_cluster({"device": "a100-80gb", "attention_dropout": True}), layout, batch)
+    assert "elementwise_bw_gbps" not in fused.categories["recompute"]

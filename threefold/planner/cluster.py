@@ -85,6 +85,12 @@ class Cluster:
         "(threefold's SDPA); square = over all s x s scores, the mask applied in the softmax (Megatron-LM's "
         "baddbmm and scaled masked softmax before flash attention)",
     )
+    attention_dropout: bool = knob(
+        False,
+        "Unfused attention (attention_efficiency 0): dropout on the probabilities, a pass that writes the dropped "
+        "ones and a 1-byte mask forward and reads them back backward (Megatron-LM's --attention-dropout, 0.1 by "
+        "default); a fused kernel drops on chip",
+    )
     overlap: str = knob(
         "",
         "modelled = each transfer hides what the compute beside it covers, on its own link (GPUs); "
@@ -120,6 +126,17 @@ class Cluster:
     )
     tp_overlap: float = knob(
         -1.0, "Fixed fraction of TP/SP communication hidden (-1 = by cluster.overlap: modelled, or 0 under none)"
+    )
+    pp_overlap: float = knob(
+        -1.0,
+        "Fixed fraction of pipeline sends and receives hidden (-1 = by cluster.overlap: modelled, or 0 under none; "
+        "0 = blocking: Megatron-LM before its overlap_p2p_comm option of 2023 waited on each batch_isend_irecv and "
+        "synchronized the device; a fixed share's exchanges move each send at once with a receive)",
+    )
+    pp_scatter_gather: bool = knob(
+        False,
+        "Without SP, each TP rank sends 1/tp of a pipeline activation and the receivers all-gather it over the TP "
+        "link (Megatron-LM's scatter/gather optimization, on by default: Narayanan et al. 2021 §4.1)",
     )
     allow_tp_across_nodes: bool = knob(False, "Let a tensor-parallel group span nodes (over the inter-node link)")
     cp_min_seq: int = knob(
@@ -363,7 +380,7 @@ def check_cluster(c: Cluster) -> None:
         raise ConfigError("cluster.compute_efficiency", f"{c.compute_efficiency} is outside (0, 1]")
     if c.core_share_exponent < 0:
         raise ConfigError("cluster.core_share_exponent", f"must be >= 0, got {c.core_share_exponent}")
-    for key in ("dp_overlap", "tp_overlap"):
+    for key in ("dp_overlap", "tp_overlap", "pp_overlap"):
         if not (0 <= getattr(c, key) <= 1 or getattr(c, key) == -1):
             raise ConfigError(f"cluster.{key}", f"{getattr(c, key)} is outside [0, 1]", "or -1: by cluster.overlap")
     for key, valid in CHOICES.items():

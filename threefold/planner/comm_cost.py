@@ -13,7 +13,9 @@ per category, bytes over a link, latency steps and collective calls.
              backward; full recompute repeats the forward's 2) of (b s / t) top_k h, each rank
              sending (ep-1)/ep of it, plus a latency-only exchange of counts per forward
     pp_comm  the slowest rank's own point-to-point transfers of sbh (sbh/t under SP): an end rank
-             sends and receives 2 m (2 v - 1), a middle one 4 m v (what its pp_p2p span times)
+             sends and receives 2 m (2 v - 1), a middle one 4 m v (what its pp_p2p span times);
+             with pp_scatter_gather and no SP, sbh/t each and an all-gather of sbh over the TP
+             link after each receive
     dp_comm  ZeRO 0 all-reduce 2(N-1)/N P; 1 and 2 reduce-scatter + all-gather, the same volume;
              3 reduce-scatter + an all-gather per micro-batch forward and backward; (1 - dp_overlap)
              of it exposed. MoE: dense parameters over dp*cp, the experts (E_params / ep per
@@ -205,18 +207,28 @@ def ep_all_to_all(shape: ModelShape, cluster: Cluster, layout: Layout, act: int)
     }
 
 
-def pp_comm_terms(shape: ModelShape, cluster: Cluster, layout: Layout, microbatches: int, act: int) -> Terms:
+def pp_comm_terms(
+    shape: ModelShape, cluster: Cluster, layout: Layout, microbatches: int, act: int, paired: bool = False
+) -> Terms:
     """The slowest rank's own point-to-point transfers in a step: an end rank sends and receives
     once per micro-batch and chunk boundary it owns, a middle rank (p >= 3 has one on the
-    critical path) both ways."""
-    m, v = microbatches, layout.vpp
+    critical path) both ways. `paired`: each send moves at once with a receive, over the link's
+    other direction (a blocking exchange batches the two), so the link carries half the
+    transfers' time."""
+    m, v, t = microbatches, layout.vpp, layout.tp
     terms: Terms = {}
     if layout.pp == 1:
         return terms
     transfers = 4 * m * v if layout.pp >= 3 else 2 * m * (2 * v - 1)
-    activation = _activation_bytes(shape, layout, act) / (layout.tp if layout.sp else 1)
+    whole = _activation_bytes(shape, layout, act)
+    split = layout.sp or cluster.pp_scatter_gather
     # Sends and receives are posted ahead and wait for no group: no rendezvous to pay.
-    collective(terms, pp_link(cluster), transfers * activation, transfers, 0)
+    on_link = transfers / 2 if paired else transfers
+    collective(terms, pp_link(cluster), on_link * whole / (t if split else 1), on_link, 0)
+    if cluster.pp_scatter_gather and not layout.sp and t > 1:
+        # Half the transfers are receives, each gathered whole again over the TP ranks.
+        link, gathers = tp_link(cluster, t), transfers / 2
+        collective(terms, link, gathers * (t - 1) / t * whole, gathers * latency_steps(t, link, t - 1), gathers)
     return terms
 
 

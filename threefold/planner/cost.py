@@ -15,9 +15,11 @@ The categories of one optimizer step on the slowest pipeline rank:
 
     compute    model FLOPs of the rank's m micro-batches / (peak * compute_efficiency), each layer's
                times its GEMMs' small-shape factor (planner/kernels.py), plus the memory-bound
-               work's bytes / elementwise_bw_gbps: the layers', the loss's over the logits and
-               each micro-batch's weight gradients added into their buffers
-    recompute  the forward work recomputation does again (selective: attention core; full: layers)
+               work's bytes / elementwise_bw_gbps: the layers' (unfused attention's dropout
+               among them), the loss's over the logits and each micro-batch's weight gradients
+               added into their buffers
+    recompute  the forward work recomputation does again (selective: attention core, with an
+               unfused core's softmax and dropout; full: layers)
     cp_comm    per layer and micro-batch, context_parallel.analytic_bytes over the cp link; ring:
                what outlasts each step's attention is exposed, a2a: all (planner/cp_cost.py)
     tp_comm    per layer and micro-batch, the TP/SP collectives distributed/tp_collectives.py counts
@@ -64,15 +66,17 @@ from threefold.planner.kernels import (
     ADAM_BYTES_PER_ELEMENT,
     LOSS_BYTES_PER_LOGIT,
     accumulation_bytes,
+    attention_dropout_bytes,
     elementwise_bytes,
     gemm_factor,
     head_factor,
     reduction_bytes,
+    rerun_attention_bytes,
 )
 from threefold.planner.layout import Layout
 from threefold.planner.memory import ACT_BYTES, expert_dp
 from threefold.planner.model import ModelShape
-from threefold.planner.overlap import charged, exposed_share, modelled
+from threefold.planner.overlap import charged, exposed_share, fixed_exposed, modelled
 from threefold.planner.units import seconds  # noqa: F401 (cost.seconds: the fits' API)
 
 CATEGORIES = (
@@ -172,6 +176,11 @@ class _StepInputs:
     head_gemm_factor: float
     elementwise_bytes: float
     """Streaming element-wise bytes of one layer pass and micro-batch, at the process's core share."""
+    dropout_bytes: float
+    """Unfused attention's dropout (cluster.attention_dropout), one layer and micro-batch, each way."""
+    rerun_bytes: float
+    """Element-wise bytes selective recompute reruns per layer and micro-batch: an unfused
+    core's softmax and dropout."""
     reduction_bytes: float
     """Normalisation and reduction bytes of one layer pass and micro-batch, likewise."""
     cp_layer: Terms
@@ -184,8 +193,13 @@ class _StepInputs:
         replicas = layout.dp * layout.cp
         fused = cluster.attention_efficiency > 0  # a fused kernel keeps the probabilities on chip
         square = not fused and cluster.attention_scores == "square"
-        moved = elementwise_bytes(shape.cfg, t, act, layout.sp, fused, square) * tokens / cluster.core_share
-        reduced = reduction_bytes(shape.cfg, t, act, layout.sp, fused) * tokens / cluster.core_share
+        per_token = tokens / cluster.core_share
+        moved = elementwise_bytes(shape.cfg, t, act, layout.sp, fused, square) * per_token
+        reduced = reduction_bytes(shape.cfg, t, act, layout.sp, fused) * per_token
+        dropout = not fused and cluster.attention_dropout
+        dropped = attention_dropout_bytes(shape.cfg, t, act, square) * per_token if dropout else 0.0
+        unfused_rerun = not fused and layout.recompute == "selective"
+        rerun = rerun_attention_bytes(shape.cfg, t, act, square, dropout) * per_token if unfused_rerun else 0.0
         return cls(
             shape=shape,
             cluster=cluster,
@@ -199,6 +213,8 @@ class _StepInputs:
             layer_gemm_factor=gemm_factor(shape.cfg, tokens, t, cluster),
             head_gemm_factor=head_factor(shape.cfg, tokens, t, cluster),
             elementwise_bytes=moved,
+            dropout_bytes=dropped,
+            rerun_bytes=rerun,
             reduction_bytes=reduced,
             cp_layer=cp_comm_terms(shape, cluster, layout, act, latency_steps),
         )
@@ -303,14 +319,15 @@ def _compute_terms(step: _StepInputs, layers: int, has_head: bool) -> tuple[Term
     rerun_flops = layers * rerun_per_layer * step.layer_gemm_factor * step.tokens / layout.tp
     compute = {
         "compute_efficiency": base_flops / peak,
-        "elementwise_bw_gbps": layers * step.elementwise_bytes,
+        "elementwise_bw_gbps": layers * (step.elementwise_bytes + 2 * step.dropout_bytes),
         "reduction_bw_gbps": layers * step.reduction_bytes + loss_bytes,
     }
     if not step.full_recompute:
-        return compute, {"compute_efficiency": rerun_flops / peak}
+        selective = {"compute_efficiency": rerun_flops / peak, "elementwise_bw_gbps": layers * step.rerun_bytes}
+        return compute, _scaled(selective, 1)  # without the zero entries
     rerun = {
         "compute_efficiency": rerun_flops / peak,
-        "elementwise_bw_gbps": layers * step.elementwise_bytes / 3,
+        "elementwise_bw_gbps": layers * (step.elementwise_bytes / 3 + step.dropout_bytes),
         "reduction_bw_gbps": layers * step.reduction_bytes / 3,
     }
     return compute, _scaled(rerun, 1)  # without the zero entries
@@ -349,8 +366,14 @@ def _add_bubble(
 def _pp_comm_terms(step: _StepInputs, mb: dict[str, Terms]) -> Terms:
     """The slowest rank's own pipeline transfers (comm_cost.py). Modelled overlap (overlap.py):
     posted ahead, each hides behind one chunk's forward of a micro-batch; the 2 (p - 1) of the
-    fill and drain wait on the critical path."""
+    fill and drain wait on the critical path. A fixed pp_overlap leaves its share of the
+    exchanges exposed, each send moving at once with a receive."""
     shape, cluster, layout, m = step.shape, step.cluster, step.layout, step.microbatches
+    if cluster.pp_overlap >= 0:
+        # A fixed share: Megatron-LM's blocking exchanges batch each send with a receive
+        # (send_forward_recv_backward and the like in one batch_isend_irecv).
+        paired = pp_comm_terms(shape, cluster, layout, m, step.act_bytes, paired=True)
+        return _scaled(paired, fixed_exposed(cluster.pp_overlap))
     terms = pp_comm_terms(shape, cluster, layout, m, step.act_bytes)
     if not terms or cluster.overlap != "modelled":
         return terms

@@ -15,6 +15,9 @@ Achieved throughput depends on the model's shape, not only on the device:
 - **Attention** (`attention_factor`). Unfused, `attention_scores` says whether the kernels skip
   the masked half (causal) or compute every score of the s x s square and mask it in the softmax
   (square: Megatron-LM's baddbmm and scaled masked softmax, twice the FLOPs and probabilities).
+  Unfused, `attention_dropout` adds dropout's own pass over the probabilities
+  (`attention_dropout_bytes`), and selective recompute reruns the softmax and the dropout with
+  the attention core's GEMMs (`rerun_attention_bytes`).
   A fused kernel (flash attention) has a rate of its own:
   `attention_efficiency` of peak at head dim 128 and long sequences, times s / (s +
   attention_half_seq) (short sequences do not fill the SMs with query tiles) and
@@ -46,6 +49,9 @@ ADAM_BYTES_PER_ELEMENT = 28.0
 # softmax and writes the bf16 gradient (44 bytes).
 LOSS_BYTES_PER_LOGIT = 80.0
 BACKWARD_TRAFFIC = 2.0  # a backward reads the forward's inputs and the incoming gradient, writes one
+# torch's dropout keeps a 1-byte mask an element: Korthikanti et al. 2022 (arXiv 2205.05198) §4.1
+# count the attention dropout's mask at a s^2 b bytes beside the 2 a s^2 b of the probabilities.
+DROPOUT_MASK_BYTES = 1.0
 TILE = 128  # output tile side of the large-shape GEMM kernels (cuBLAS/CUTLASS on Ampere and Hopper)
 HEAD_DIM_HALF = 16.0  # attention: head dim at which a loaded tile's work would halve (relative to 128)
 
@@ -158,15 +164,41 @@ def elementwise_bytes(
     on GPUs) keeps the probabilities on chip: none of them move. `square` (unfused, every score
     computed, the causal mask applied inside the softmax): the softmax reads and writes all s
     keys, twice the causal half."""
-    h, f, s = cfg.hidden, cfg.ffn_hidden, cfg.seq_len
+    h, f = cfg.hidden, cfg.ffn_hidden
     head_dim = h // cfg.heads
     kvd = head_dim * (getattr(cfg, "kv_heads", 0) or cfg.heads)
     replicated = 6 * h / (t if sp else 1)
     rope = 2 * (h + kvd) if cfg.arch == "llama" else 0
     act_fn = 3 * f if cfg.arch == "llama" else 2 * f
-    probabilities = 0 if fused_attention else cfg.heads * s * (2 if square else 1)
-    split = (rope + probabilities + act_fn) / t
-    return (1.0 + BACKWARD_TRAFFIC) * (replicated + split) * act
+    split = (rope + act_fn) / t * act + (0.0 if fused_attention else softmax_bytes(cfg, t, act, square))
+    return (1.0 + BACKWARD_TRAFFIC) * (replicated * act + split)
+
+
+def _scores(cfg, t: int, square: bool) -> float:
+    """Attention scores one TP rank's unfused kernels hold per token: heads x keys, all s of the
+    square or the causal half."""
+    return cfg.heads / t * (cfg.seq_len if square else cfg.seq_len / 2)
+
+
+def softmax_bytes(cfg, t: int, act: int, square: bool = False) -> float:
+    """Forward bytes per token of an unfused softmax on one TP rank: the scores read and the
+    probabilities written (elementwise_bytes charges backward twice that)."""
+    return 2 * _scores(cfg, t, square) * act
+
+
+def attention_dropout_bytes(cfg, t: int, act: int, square: bool = False) -> float:
+    """Bytes per token, each way, of dropout on the unfused attention probabilities on one TP
+    rank (Megatron-LM's attention_dropout, 0.1 by default): forward reads the probabilities and
+    writes the dropped ones and the mask; backward reads the gradient and the mask and writes
+    the gradient. A fused kernel drops on chip and moves none of them."""
+    return _scores(cfg, t, square) * (2 * act + DROPOUT_MASK_BYTES)
+
+
+def rerun_attention_bytes(cfg, t: int, act: int, square: bool = False, dropout: bool = False) -> float:
+    """Element-wise bytes per token selective recompute moves again on one TP rank: the unfused
+    attention core reruns its softmax (and dropout) with its GEMMs in backward."""
+    rerun = softmax_bytes(cfg, t, act, square)
+    return rerun + (attention_dropout_bytes(cfg, t, act, square) if dropout else 0.0)
 
 
 def reduction_bytes(cfg, t: int, act: int, sp: bool = False, fused_attention: bool = False) -> float:

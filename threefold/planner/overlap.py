@@ -9,7 +9,9 @@ and calls, which keeps the cost linear around them for calibration (as cp_cost.p
 
 `ASSUMPTIONS` says, per category, what the model assumes and where that comes from;
 `threefold plan` prints it. `cluster.overlap = none` (cpu: gloo's transfers take the cores the
-compute needs) leaves every transfer exposed but a fixed `dp_overlap` / `tp_overlap` share.
+compute needs) leaves every transfer exposed but a fixed `dp_overlap` / `tp_overlap` /
+`pp_overlap` share; a fixed share also overrides the model on a GPU (pp_overlap 0: Megatron-LM's
+blocking sends before 2023).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def modelled(cluster, fixed: float) -> bool:
 
 
 def fixed_exposed(fixed: float) -> float:
-    """The exposed share a fixed dp_overlap / tp_overlap leaves (-1: none hidden)."""
+    """The exposed share a fixed dp_overlap / tp_overlap / pp_overlap leaves (-1: none hidden)."""
     return 1.0 - max(0.0, fixed)
 
 
@@ -85,7 +87,7 @@ def overlap_lines(cluster) -> list[str]:
     """One line per category: what the plan's cost model assumes of its overlap."""
     if cluster.overlap != "modelled":
         lines = [f"overlap: none modelled (cluster.overlap = {cluster.overlap!r}): every transfer exposed"]
-        for key in ("tp_overlap", "dp_overlap"):
+        for key in ("tp_overlap", "dp_overlap", "pp_overlap"):
             if getattr(cluster, key) > 0:
                 lines.append(f"  {key} {getattr(cluster, key):.0%} hidden (a fixed share)")
         return lines
@@ -98,6 +100,10 @@ def overlap_lines(cluster) -> list[str]:
     lines.append(
         f"  dp_comm  {dp}" if cluster.dp_overlap < 0 else f"  dp_comm  {cluster.dp_overlap:.0%} hidden (fixed)"
     )
-    lines += [f"  {c}  {ASSUMPTIONS[c]}" for c in ("pp_comm", "cp_comm", "ep_comm", "overhead")]
+    pp = ASSUMPTIONS["pp_comm"]
+    lines.append(
+        f"  pp_comm  {pp}" if cluster.pp_overlap < 0 else f"  pp_comm  {cluster.pp_overlap:.0%} hidden (fixed)"
+    )
+    lines += [f"  {c}  {ASSUMPTIONS[c]}" for c in ("cp_comm", "ep_comm", "overhead")]
     lines.append(f"  tp, dp, pp: {SLOWDOWN}; here {cluster.overlap_slowdown:.0%}")
     return lines
