@@ -13,6 +13,7 @@ moments, sharded gradients), offset `Bucket.shard_offset`.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 ALIGN = 16  # elements per shard boundary: 64-byte aligned fp32 slices for vectorized kernels
@@ -103,12 +104,13 @@ class BucketLayout:
 def share_of(segments: list[Segment], parts: int, part: int) -> list[Segment]:
     """The segments `part` of `parts` takes when whole segments are dealt out by size (largest
     first, each to the least loaded part; ties to the lower part), in their original order:
-    every part computes the same deal, so the shares partition the segments."""
-    load = [0] * parts
+    every part computes the same deal, so the shares partition the segments. A heap of the
+    parts' loads keeps the deal O(segments log parts) at any dp size."""
+    loads = [(0, p) for p in range(parts)]  # already a heap
     mine = set()
     for i in sorted(range(len(segments)), key=lambda i: (-(segments[i].hi - segments[i].lo), i)):
-        taker = min(range(parts), key=lambda p: (load[p], p))
-        load[taker] += segments[i].hi - segments[i].lo
+        load, taker = heapq.heappop(loads)
+        heapq.heappush(loads, (load + segments[i].hi - segments[i].lo, taker))
         if taker == part:
             mine.add(i)
     return [seg for i, seg in enumerate(segments) if i in mine]
