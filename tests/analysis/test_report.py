@@ -56,10 +56,13 @@ def test_categories_sum_to_the_step_time_on_every_rank(run3d):
             # A save (the last step's, checkpoint.dir defaults to <log.dir>/checkpoints) is its own
             # category, outside step_time_s.
             in_step = sum(v for k, v in parts.items() if k != "checkpoint")
-            # step_time_s is the logger's clock. The other ranks' steps also hold, in their first
-            # collective, the logger's report work on the previous step (spans.jsonl, the
-            # diagnosis: a few ms at world 8, more on a loaded machine), so they may run longer.
-            high = 0.05 if rank["rank"] == 0 else 0.12
+            # step_time_s is the logger's clock: it stops at the step's read. Every step here is a
+            # report step, and its report work after the read (health's gather, goodput, the
+            # checkpoint cadence; 3-4% of this step on rank 0 on an idle machine) is in the span
+            # window's "other". The other ranks' steps also hold, in their first collective, the
+            # logger's report work on the previous step (spans.jsonl, the diagnosis: a few ms at
+            # world 8, more on a loaded machine), so they may run longer still.
+            high = 0.10 if rank["rank"] == 0 else 0.12
             assert step_time * 0.95 <= in_step <= step_time * (1 + high), (rank["rank"], parts, step_time)
             assert parts["forward"] > 0 and parts["backward"] > 0 and parts["tp_comm"] > 0
             assert parts["other"] < 0.2 * step_time  # the named spans cover the step
