@@ -270,7 +270,7 @@ def main(argv=None) -> dict:
         f"- threefold: its Trainer's train_step, the step `threefold train` runs (ZeRO 0/1/2/3, bucket "
         f"{args.bucket_mb:g} MiB, reductions overlapped with backward; finalize_grads, the ranks' health "
         "all-reduce, clip at 1.0 and the engine's AdamW (train.adamw fused: torch's fused kernel on flat "
-        "slices); ZeRO 1/2 reduce-scatter into the owned slices; the loss and metrics reductions)."
+        "slices); ZeRO 1/2 reduce-scatter into the owned slices; the step's loss summed in the norm's collectives)."
     )
     print(
         f"- DDP: DistributedDataParallel(bucket_cap_mb={args.bucket_mb:g}, gradient_as_bucket_view=True), "

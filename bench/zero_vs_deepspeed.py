@@ -227,7 +227,7 @@ def contestants(args, r: dict) -> list[str]:
         "overlap_param_gather true (ZeRO 1/2: each bucket's all-gather starts after its update and the next "
         "forward waits where it first uses it), zero3_prefetch 1 (ZeRO 3: the next block's gather on its own "
         "communicator); finalize_grads, the ranks' health all-reduce (MAX), clip at 1.0, the engine's AdamW on CPU "
-        "(train.adamw fused: torch's fused kernel on flat shards), the loss and metrics reductions.",
+        "(train.adamw fused: torch's fused kernel on flat shards), the step's loss summed in the norm's collectives.",
         f"- DeepSpeed {r['deepspeed']}: deepspeed.initialize on DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu) "
         "over the same gloo process group (torch.distributed.init_process_group('gloo'), then "
         "deepspeed.init_distributed(dist_backend='gloo') adopts it); zero_optimization stage N with overlap_comm "
