@@ -315,6 +315,38 @@ def test_composes_with_tensor_and_sequence_parallelism(data, dp_reference):
         )
 
 
+def _replicated_nan_worker(data: str) -> dict:
+    """tp 2 without SP: the norms' weights are replicated, their gradients made on each tp rank.
+    Step 2's gradient of one of them is NaN on tp rank 1 only."""
+    from threefold.model.sharding import sharding_of
+    from threefold.training.trainer import Trainer
+
+    dist.init_process_group("gloo")
+    grid = Grid.build(RankLayout(tp=2))
+    trainer = Trainer(make_cfg(data, **{"parallel.tp": 2}), grid, CPU, log=lambda *args: None)
+    replicated = [p for c in trainer.chunks for p in c.parameters() if not sharding_of(p).split]
+    step = [0]
+    if grid.tp.rank == 1:
+        replicated[0].register_hook(lambda g: g * float("nan") if step[0] == 1 else g)
+    applied = []
+    for s in range(3):
+        step[0] = s
+        applied.append(bool(trainer.train_step(s).applied))
+    params = [p.detach().reshape(-1).tolist() for p in replicated]  # plain lists: the worker exits
+    dist.destroy_process_group()
+    return {"applied": applied, "params": params}
+
+
+def test_a_nan_in_one_tp_ranks_replicated_gradient_skips_the_step_on_every_rank(data):
+    """The skip is decided from each rank's global norm: a non-finite copy of a replicated
+    gradient on one tp rank reaches the other through the norm's tp sums, so both skip step 2,
+    and the replicated weights stay equal."""
+    results = run_ranks(_replicated_nan_worker, 2, data, timeout=300)
+    assert [r["applied"] for r in results] == [[True, False, True]] * 2
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert a == b and torch.isfinite(torch.tensor(a)).all()
+
+
 def test_zero3_keeps_at_most_prefetch_plus_one_blocks_whole():
     """ZeRO 3's in-flight limit, on the store alone: with prefetch 1 a third block's prefetch
     waits until a block is freed, then goes; roots are outside the limit."""

@@ -104,23 +104,27 @@ def test_stragglers_are_measured_against_ranks_of_the_same_pipeline_stage():
     assert health.named == set() and "no longer" in lines[-1]
 
 
-def test_nonfinite_loss_on_one_rank_poisons_the_norm_and_counts():
+def test_nonfinite_loss_or_norm_skips_the_update_and_counts():
 
     from threefold.distributed.comm import Group
-    from threefold.training.health import StepHealth
+    from threefold.training.health import StepHealth, skip_nonfinite
 
+    inf, nan = float("inf"), float("nan")
+    # The skip: decided on the device from the global norm and loss, before any collective.
+    assert skip_nonfinite(torch.tensor(1.5), torch.tensor([inf])).isnan()
+    assert skip_nonfinite(torch.tensor(inf), torch.tensor([2.0])).isnan()
+    assert skip_nonfinite(torch.tensor(1.5), torch.tensor([2.0])) == 1.5
     health = StepHealth(Group("world", [0], None), rollback_after=2, straggler_steps=0)
-    norm = health.agree(torch.tensor(1.5), torch.tensor(float("inf")), 0.1, scaler_enabled=False)
-    # The decision is on the device; the counters wait for the step's host read (settle).
-    assert norm.isnan() and health.nonfinite == 0 and health.pending is not None
+    health.agree(torch.tensor(1.5), torch.tensor(inf), 0.1, scaler_enabled=False)
+    # The counters wait for the step's host read (settle).
+    assert health.nonfinite == 0 and health.pending is not None
     assert health.record(0, applied=False)["nonfinite_steps"] == 1 and not health.rollback_due
     # A non-finite gradient under loss scaling is an fp16 overflow: skipped, not a divergence.
-    norm = health.agree(torch.tensor(float("inf")), torch.tensor(2.0), 0.1, scaler_enabled=True)
+    health.agree(torch.tensor(inf), torch.tensor(2.0), 0.1, scaler_enabled=True)
     health.settle()
-    assert norm.isnan() and health.nonfinite == 1 and health.in_a_row == 0
-    assert not health.agree(torch.tensor(1.0), torch.tensor(2.0), 0.1, scaler_enabled=True).isnan()
+    assert health.nonfinite == 1 and health.in_a_row == 0
     for _ in range(2):
-        health.agree(torch.tensor(1.0), torch.tensor(float("nan")), 0.1, scaler_enabled=True)
+        health.agree(torch.tensor(1.0), torch.tensor(nan), 0.1, scaler_enabled=True)
         health.settle()
     assert health.rollback_due and health.record(3, applied=False)["steps_skipped"] == 2
 

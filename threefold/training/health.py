@@ -1,14 +1,14 @@
-"""Per-step health on a flat control plane: one small fused MAX all-reduce per step tells every
-rank whether any rank's loss or gradient was non-finite, and the slowest rank's memory, data wait,
-pipeline wait and compute time, and whether any rank was asked to stop (a signal); per-rank
-detail reaches rank 0 only on report steps.
+"""Per-step health on a flat control plane: one small fused MAX all-reduce per step, after the
+update, tells every rank whether any rank's loss or gradient was non-finite, and the slowest rank's
+memory, data wait, pipeline wait and compute time, and whether any rank was asked to stop (a
+signal); per-rank detail reaches rank 0 only on report steps.
 
-From the reduced flags every rank takes the same two decisions, on the device: skip the step when
-any rank saw a NaN/Inf (a NaN norm, which the engine's found-inf path turns into an update that
-changes nothing, so AdamW never sees it and no host sync precedes it), and, once the step's
-scalars are read, roll back to the last checkpoint after `train.nan_rollback_after` such steps in
-a row. The all-reduce carries a fixed number of values: its bytes per rank do not grow with the
-world.
+Every rank takes the same two decisions: skip the step when any rank saw a NaN/Inf, on the device
+and before the update, from the global norm and loss (skip_nonfinite: a NaN norm, which the
+engine's found-inf path turns into an update that changes nothing, so AdamW never sees it and no
+host sync precedes it); and, once the step's scalars are read, roll back to the last checkpoint
+after `train.nan_rollback_after` such steps in a row (from the reduced flags). The all-reduce
+carries a fixed number of values: its bytes per rank do not grow with the world.
 
 Stragglers: each rank keeps its compute time of every step; on report steps (every log.interval
 steps, the last step, traced steps) one gather brings them to rank 0 (O(world) there, rarely,
@@ -44,6 +44,16 @@ def host_values(values: list[float], device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return torch.tensor(values, dtype=torch.float64, pin_memory=True).to(device, non_blocking=True)
     return torch.tensor(values, dtype=torch.float64, device=device)
+
+
+def skip_nonfinite(grad_norm: torch.Tensor, world_loss: torch.Tensor) -> torch.Tensor:
+    """The norm every rank steps with: NaN (skip the update) when the step's gradient or loss is
+    non-finite on any rank. Both are the same on every rank, so every rank decides alike, on the
+    device and without a collective of its own: the norm's sums run over every group that holds
+    a part of the gradient (a non-finite square of a replicated gradient reaches the others
+    through them, DataParallel._local_sq), and the step's loss rides the same sums."""
+    bad = ~torch.isfinite(grad_norm).reshape(()) | ~torch.isfinite(world_loss).all()
+    return torch.where(bad, torch.full_like(grad_norm, float("nan")), grad_norm)
 
 
 class StepHealth:
@@ -85,13 +95,14 @@ class StepHealth:
         scaler_enabled: bool,
         worst: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
         stop: int = 0,
-    ) -> torch.Tensor:
-        """The gradient norm every rank must step with: NaN on all ranks when any rank's loss
-        or gradient was non-finite (with loss scaling a non-finite gradient alone is an fp16
-        overflow, which the scaler handles and which is not counted as a divergence). `worst`:
-        this rank's peak memory, data wait, pipeline wait and idle fraction; `stop`: the signal
-        this rank received (0: none). One all-reduce,
-        decided on the device; settle() (or record()) does the host's bookkeeping later."""
+    ) -> None:
+        """The step's agreement, after its update: whether any rank's loss or gradient was
+        non-finite (with loss scaling a non-finite gradient alone is an fp16 overflow, which the
+        scaler handles and which is not counted as a divergence), this rank's `worst` (peak
+        memory, data wait, pipeline wait and idle fraction) and `stop` (the signal it received,
+        0: none). One all-reduce, the step's last blocking collective: the ranks leave the step
+        together, so the next step's first parameter gathers do not wait for a late rank.
+        settle() (or record()) does the host's bookkeeping later."""
         device = grad_norm.device
         bad_grad = ~torch.isfinite(grad_norm).reshape(())
         diverged = ~torch.isfinite(loss_sum).all()
@@ -100,8 +111,6 @@ class StepHealth:
         mine = torch.cat([torch.stack([diverged, bad_grad]).double(), host_values([*worst, compute_s, stop], device)])
         self.pending = comm.all_reduce_max(mine, self.world)
         self._times.append(compute_s)
-        skip = (self.pending[0] + self.pending[1]) > 0
-        return torch.where(skip, torch.full_like(grad_norm, float("nan")), grad_norm)
 
     def settle(self, values: list[float] | None = None) -> dict:
         """The host's side of a step once its reduced vector is read (`values`: read by the

@@ -8,11 +8,13 @@ gets its two record hooks after the next step began), and one at the end:
     guard.after_record(step, metrics)        # once the record is written: roll back when it is due
     guard.close()                            # at the end: the save in flight, goodput.json
 
-Inside the step (Trainer.queue_step and read_step) its agreement: one MAX all-reduce that makes
-every rank skip a NaN step and stop after the same step, and the host's side once it is read:
+Inside the step (Trainer.queue_step and read_step) its agreement, after the update: one MAX
+all-reduce that makes every rank count a NaN step alike and stop after the same step (the skip
+itself is decided before the update from the global norm, health.skip_nonfinite), and the host's
+side once it is read:
 
     compute_s = guard.compute_time(step, pipe)     # a slow drill; the straggler check's input
-    norm = guard.agree(norm, loss_sum, compute_s, engine, worst, stop)
+    guard.agree(norm, loss_sum, compute_s, engine, worst, stop)
     worst = guard.settle(host_values)              # after the step's host read (of guard.take_pending())
 
 Between before_step and after_step the loop asks whether a step saves (save_due) or the run stops after it
@@ -145,8 +147,8 @@ class RunGuard:
         engine,
         worst=(0.0, 0.0, 0.0, 0.0),
         stop: int = 0,
-    ) -> torch.Tensor:
-        return self.health.agree(grad_norm, loss_sum, compute_s, engine.scaler.enabled, worst, stop)
+    ) -> None:
+        self.health.agree(grad_norm, loss_sum, compute_s, engine.scaler.enabled, worst, stop)
 
     @property
     def stopping(self) -> int:

@@ -60,6 +60,7 @@ from threefold.observe.step import QueuedStep, StepResult, Throughput
 from threefold.training.actions import Actions
 from threefold.training.callbacks import Callbacks
 from threefold.training.expert_load import ExpertLoad
+from threefold.training.health import skip_nonfinite
 from threefold.training.loop import TrainingLoop
 from threefold.training.optim import lr_at
 from threefold.training.resilience import RunGuard, continues_run
@@ -407,18 +408,22 @@ class Trainer:
         world_loss = loss_sum.reshape(1).clone()
         norm = finalize_grads(engine, grid, self.partial, self.tied, self.tied_copy, phase, carry=world_loss)
         with phase("optimizer"):
-            # One MAX all-reduce: any rank's NaN makes every rank skip, decided on the device
-            # (a NaN norm), so the update is queued without waiting for the host.
-            waits = (timed.recv_wait_s, timed.idle_fraction) if timed is not None else (0.0, 0.0)
-            worst = (float(peak_memory_bytes(self.device)), data_wait_s, *waits)
-            norm = self.guard.agree(norm, loss_sum, compute_s, engine, worst, self.stop.requested if self.stop else 0)
-            if self.stop is not None:
-                self.stop.settled(completion_event(self.device))  # on CUDA the all-reduce is only queued
-            applied = engine.step(lr, norm, t.grad_clip)
+            # Any rank's NaN makes every rank skip, decided on the device from the global norm
+            # and loss (a NaN norm), so the update is queued without waiting for the host.
+            stepped = skip_nonfinite(norm, world_loss)
+            applied = engine.step(lr, stepped, t.grad_clip)
             if self.probe:
                 self.probe.after_step(engine)
             engine.zero_grad()
         with phase("sync"):
+            # The step's agreement after its update (counters, the slowest rank's figures, a
+            # stop): its blocking MAX is the step's last, so the ranks start the next one together.
+            waits = (timed.recv_wait_s, timed.idle_fraction) if timed is not None else (0.0, 0.0)
+            worst = (float(peak_memory_bytes(self.device)), data_wait_s, *waits)
+            self.guard.agree(norm, loss_sum, compute_s, engine, worst, self.stop.requested if self.stop else 0)
+            if self.stop is not None:
+                self.stop.settled(completion_event(self.device))  # on CUDA the all-reduce is only queued
+            norm = stepped
             # Every scalar of the step in one tensor.
             applied_t = torch.as_tensor(applied, dtype=torch.float64, device=self.device).reshape(1)
             scale_t = engine.scaler.scale.double().reshape(1)  # after this step's update of the scale

@@ -274,8 +274,13 @@ class DataParallel:
         norms = torch._foreach_norm(views, 2, dtype=torch.float32) if views else []
         sq = torch.stack(norms).pow(2) if norms else torch.zeros(1, device=owned[0].device)
         total = sq[index[None]].sum() if None in index else torch.zeros((), device=sq.device)
+        # A replicated gradient's square is counted on each rank of the split groups without
+        # their sum: riding each sum as 0 x square (NaN when it is not finite) brings one rank's
+        # non-finite copy to the others, so every rank's norm skips the same steps.
+        poison = total * 0
         for name, replicas in sorted(k for k in index if k is not None):
-            total = total + comm.all_reduce(sq[index[name, replicas]].sum() / replicas, self._tp_groups[name])
+            part = sq[index[name, replicas]].sum() / replicas + poison
+            total = total + comm.all_reduce(part, self._tp_groups[name])
         return total
 
     def _norm_views(self, owned: list[torch.Tensor], skip: frozenset) -> tuple[list, dict]:
