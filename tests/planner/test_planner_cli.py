@@ -253,6 +253,12 @@ def test_plan_states_the_overlap_each_category_assumes(capsys):
     for category in ("tp_comm", "dp_comm", "pp_comm", "cp_comm", "ep_comm"):
         assert f"\n  {category}  " in out, category
     assert "dX all-reduce (SP: reduce-scatter) behind the deferred dW GEMMs" in out
+    # One layout evaluated (--layout) states the same, in text and JSON.
+    code, out, _ = _cli(capsys, *args, "--layout", "tp=8,dp=2,mbs=1")
+    assert code == 0 and "overlap (cluster.overlap = 'modelled'), per category:" in out
+    assert "\n  dp_comm  gradient buckets" in out
+    code, out, _ = _cli(capsys, *args, "--layout", "tp=8,dp=2,mbs=1", "--json")
+    assert code == 0 and any(line.startswith("  tp_comm  ") for line in json.loads(out)["overlap"])
     code, out, _ = _cli(capsys, *args, "--cluster.overlap", "none", "--cluster.dp_overlap", "0.5")
     assert code == 0 and "overlap: none modelled" in out and "dp_overlap 50% hidden" in out
     code, _, err = _cli(capsys, *args, "--cluster.overlap", "some")

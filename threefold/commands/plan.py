@@ -143,7 +143,7 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
     from threefold.planner.faults import advise, build_faults
     from threefold.planner.layout import parse_layout, structural_reason
     from threefold.planner.model import model_shape
-    from threefold.planner.overlap import param_gather
+    from threefold.planner.overlap import overlap_lines, param_gather
     from threefold.planner.predict import predict
     from threefold.planner.search import Plan, oom_sentence, search
     from threefold.planner.validation import split_note
@@ -291,6 +291,7 @@ def _plan(args, cluster_pairs, fault_pairs, config_pairs) -> int:
     elif args.layout:
         print(report.header(shape, cluster, B, dtype))
         print(report.describe_prediction(pred, cluster))
+        print("\n".join(overlap_lines(cluster)))
         print("  " + split_note(cluster.validation, [k for k, v in pred.times.items() if v > 0]))
         print("  faults: " + advice.sentence())
         if note:
