@@ -410,8 +410,8 @@ class Trainer:
         with phase("optimizer"):
             # Any rank's NaN makes every rank skip, decided on the device from the global norm
             # and loss (a NaN norm), so the update is queued without waiting for the host.
-            stepped = skip_nonfinite(norm, world_loss)
-            applied = engine.step(lr, stepped, t.grad_clip)
+            norm = skip_nonfinite(norm, world_loss)
+            applied = engine.step(lr, norm, t.grad_clip)
             if self.probe:
                 self.probe.after_step(engine)
             engine.zero_grad()
@@ -423,7 +423,6 @@ class Trainer:
             self.guard.agree(norm, loss_sum, compute_s, engine, worst, self.stop.requested if self.stop else 0)
             if self.stop is not None:
                 self.stop.settled(completion_event(self.device))  # on CUDA the all-reduce is only queued
-            norm = stepped
             # Every scalar of the step in one tensor.
             applied_t = torch.as_tensor(applied, dtype=torch.float64, device=self.device).reshape(1)
             scale_t = engine.scaler.scale.double().reshape(1)  # after this step's update of the scale
