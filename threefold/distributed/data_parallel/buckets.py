@@ -13,7 +13,8 @@ gloo's/NCCL's own threads/streams while backward continues with earlier layers:
   distributed optimizer): the optimizer reads only that slice, and the reduction plus the
   parameter all-gather after the update move what one all-reduce moves. The rest of the
   buffer keeps this rank's unreduced gradient until zero_grad;
-- ZeRO 2/3: reduce_scatter(SUM): each rank receives only the slice it owns.
+- ZeRO 2/3: reduce_scatter(SUM): each rank receives only the slice it owns, the step's first
+  reduction of a bucket straight into the shard, later micro-batches' into a buffer added to it.
 
 SUM is the mean we want: the loss is pre-scaled by 1/(tokens in the global batch).
 
@@ -56,6 +57,7 @@ class Bucket:
         self.work = None  # the reduction in flight (None: none; a group of one has no handle)
         self.out: torch.Tensor | None = None  # ZeRO 2/3: where the reduce-scatter lands
         self.in_flight = False
+        self.reduced = False  # ZeRO 2/3: reduced into the shard since zero_grad
         # ZeRO 2/3: the slots of `full` no gradient has been written to since it was allocated
         # (uninitialised: a first gradient is copied in, not added to zeros; start() zeroes the rest).
         self.unwritten: set[int] = set()
@@ -119,9 +121,16 @@ class Bucket:
             self.work = comm.reduce_scatter_into(own, full, o.group, async_op=True)
         elif not o.sharded:
             self.work = comm.all_reduce(full, o.group, async_op=True)
+        elif not self.reduced:
+            # The step's first reduction of the bucket lands in the shard itself: zero_grad left
+            # it zero, and 0 + x is x, so neither a receive buffer nor a pass adding it is needed.
+            b = self.spec
+            own = o.shard_buffer()[b.shard_offset : b.shard_offset + b.shard_numel]
+            self.work = comm.reduce_scatter_into(own, full, o.group, async_op=True)
         else:
             self.out = torch.empty(self.spec.shard_numel, dtype=o.grad_dtype, device=o.device)
             self.work = comm.reduce_scatter_into(self.out, full, o.group, async_op=True)
+        self.reduced = True
 
     def finish(self) -> None:
         """Wait for the reduction; ZeRO 2/3 add the received slice to the shard and drop the
@@ -130,8 +139,9 @@ class Bucket:
             comm.wait(self.work, self.owner.group, spans=False)
         o = self.owner
         if o.sharded:
-            b = self.spec
-            o.shard_buffer()[b.shard_offset : b.shard_offset + b.shard_numel].add_(self.out)
+            if self.out is not None:  # a later micro-batch's reduction: added to the earlier ones
+                b = self.spec
+                o.shard_buffer()[b.shard_offset : b.shard_offset + b.shard_numel].add_(self.out)
             self.full = self.out = None
         self.work, self.in_flight = None, False
 
@@ -297,6 +307,8 @@ class GradBuckets:
             self.flat.zero_()
         if self.shard is not None:
             self.shard.zero_()
+        for bucket in self.buckets:
+            bucket.reduced = False
         self.launched_in_backward = 0
 
     # --- measurement --------------------------------------------------------------------------
