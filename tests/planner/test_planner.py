@@ -97,6 +97,25 @@ def test_device_memory_is_state_plus_layers_times_inflight():
     assert mem.params + mem.grads + mem.optimizer == pytest.approx(6 * numel + 12 * numel / 4)  # fp32 grads
 
 
+def test_a_fused_attention_kernel_keeps_no_scores():
+    """Korthikanti's 5as/h term is the s x s probabilities, mask and dropout an unfused kernel keeps
+    for backward; a fused one (threefold's SDPA) keeps none of them: without recompute its layer
+    keeps what the paper's selective recompute keeps. Only the unfused square kernel counts them."""
+    shape = model_shape(model([("model.preset", "gpt-175b")]))
+    lay = Layout(tp=8, pp=8, dp=4, mbs=1, schedule="1f1b", zero=1, sp=True)
+    fused = device_memory(shape, lay, 256, scores=False)
+    unfused = device_memory(shape, lay, 256, scores=True)
+    selective = device_memory(shape, Layout(**{**lay.as_dict(), "recompute": "selective"}), 256, scores=True)
+    assert fused.activations == pytest.approx(selective.activations)
+    s, a, t, layers, held = 2048, 96, 8, 12, 8
+    assert unfused.activations - fused.activations == pytest.approx(layers * held * 5 * a * s * s / t)
+    square = build_cluster({"device": "a100-80gb", "attention_efficiency": 0, "attention_scores": "square"})
+    assert square.keeps_attention_scores and not build_cluster({"device": "h100"}).keeps_attention_scores
+    assert not build_cluster({"device": "cpu"}).keeps_attention_scores
+    for cluster, want in ((build_cluster({"device": "h100", "nodes": 32}), fused), (square, unfused)):
+        assert predict(shape, cluster, lay, 256).memory.activations == pytest.approx(want.activations)
+
+
 # ----------------------------------------------------------------------------- time
 
 
@@ -192,9 +211,10 @@ def test_one_trillion_parameters_on_16384_gpus_plans_in_under_10_seconds():
     assert best.layout.tp == 8  # TP fills the NVLink domain for a model this wide
     # What docs/planner.md quotes (the cost model is deterministic).
     # Micro-batches of 2 and ZeRO-2: each micro-batch's gradients are added into the fp32 buffers
-    # (per parameter), and ZeRO-2 zeroes only its own slice of them.
+    # (per parameter), and ZeRO-2 zeroes only its own slice of them. No recompute: the fused
+    # attention keeps no s x s probabilities, which are all that selective recompute would drop.
     assert best.layout.spec() == (
-        "tp=8,pp=16,dp=128,vpp=8,mbs=2,schedule=interleaved,zero=2,sp=true,recompute=selective,ep=1"
+        "tp=8,pp=16,dp=128,vpp=8,mbs=2,schedule=interleaved,zero=2,sp=true,recompute=none,ep=1"
     )
     assert best.mfu == pytest.approx(
         0.478, abs=0.005

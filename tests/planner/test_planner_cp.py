@@ -123,10 +123,10 @@ def test_layout_text_round_trips_cp():
 
 
 def test_search_finds_cp_where_cp1_does_not_fit():
-    """llama-7b at 128k tokens on one node of 8 H100s: no cp = 1 layout fits (the closest, tp 8 +
-    SP + selective recompute, needs 83 GiB); the default search (cp for seq >= cp_min_seq) finds
-    one, with cp > 1; cp_min_seq 0 keeps cp at 1 and finds nothing."""
-    shape = _shape(seq=131072)
+    """llama-7b at 256k tokens on one node of 8 H100s: no cp = 1 layout fits (at 128k ZeRO-3 with
+    full recompute does, in 74 GiB: the fused attention keeps no s x s scores); the default search
+    (cp for seq >= cp_min_seq) finds one, with cp > 1; cp_min_seq 0 keeps cp at 1 and finds nothing."""
+    shape = _shape(seq=262144)
     off = search(shape, build_cluster([("device", "h100"), ("cp_min_seq", 0)]), 8)
     assert not off.ranked and off.rejected["memory"].count > 0
     plan = search(shape, build_cluster([("device", "h100")]), 8)

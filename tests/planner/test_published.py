@@ -39,6 +39,8 @@ def test_every_row_cites_its_source_and_keeps_its_settings():
         "megascale2024",
         "llama3",
         "torchtitan",
+        "mlperf",
+        "nemo",
     }
 
 

@@ -197,6 +197,13 @@ class Cluster:
     def usable_bytes(self) -> float:
         return (self.memory_gib - self.reserved_gib) * GiB
 
+    @property
+    def keeps_attention_scores(self) -> bool:
+        """Whether the attention keeps its s x s probabilities for backward: only the unfused
+        square kernel does (Megatron-LM's baddbmm and masked softmax); threefold's SDPA, fused on
+        GPUs and flash on CPU, keeps q, k, v, its output and the log-sum-exp."""
+        return self.attention_scores == "square"
+
     def label(self) -> str:
         return f"{self.nodes} x {self.devices_per_node} {self.device}"
 

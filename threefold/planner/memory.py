@@ -13,7 +13,11 @@ parallel ranks hold the same weights; N = dp without cp). Activations under cp: 
 Activations per layer and micro-batch are Korthikanti et al. 2022, Table 2
 (`model/activations.py`, `korthikanti_layer_bytes`): sbh(34 + 5as/h) without parallelism;
 TP sbh(10 + 24/t + 5as/(ht)); TP+SP sbh/t (34 + 5as/h); selective recompute sbh(10 + 24/t),
-with SP 34sbh/t; full recompute 2sbh. They assume 16-bit activations; fp32 doubles them.
+with SP 34sbh/t; full recompute 2sbh. They assume 16-bit activations; fp32 doubles them. The
+5as/h term is the s x s probabilities, dropout mask and dropped probabilities of an unfused
+attention (Megatron-LM's, cluster.attention_scores 'square'); a fused kernel keeps q, k, v, its
+output and the log-sum-exp only (threefold's SDPA, flash on GPUs and on CPU), so without recompute
+its layer keeps the paper's selective-recompute row (Cluster.keeps_attention_scores).
 An MoE block swaps the paper's MLP share (19sbh; TP 3sbh + 16sbh/t; SP 19sbh/t) for its routed
 path, on the sb/t tokens each TP rank routes: the router's fp32 input (4h) and, per each of
 the top_k assignments, the expert's input row (2h), its intermediates (GeLU 2 x 2f, SwiGLU
@@ -66,11 +70,27 @@ def _korthikanti(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute: st
     return korthikanti_layer_bytes(s, b, h, a, t, sp, recompute)
 
 
+def _kept(recompute: str, scores: bool) -> str:
+    """The paper's row for what a layer keeps: a fused attention kernel (scores False) never keeps
+    the s x s probabilities, its mask or dropout (the 5as/h term), which is exactly what the
+    paper's selective recompute drops."""
+    return "selective" if recompute == "none" and not scores else recompute
+
+
 def layer_activation_bytes(
-    s: int, b: int, h: int, heads: int, t: int = 1, sp: bool = False, recompute: str = "none", dtype: str = "bf16"
+    s: int,
+    b: int,
+    h: int,
+    heads: int,
+    t: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+    dtype: str = "bf16",
+    scores: bool = True,
 ) -> float:
-    """Bytes one layer keeps for backward per micro-batch (Korthikanti Table 2, scaled to dtype)."""
-    return _korthikanti(s, b, h, heads, t, sp, recompute) * ACT_BYTES[dtype] / 2
+    """Bytes one layer keeps for backward per micro-batch (Korthikanti Table 2, scaled to dtype);
+    `scores` False: a fused attention kernel (no 5as/h term)."""
+    return _korthikanti(s, b, h, heads, t, sp, _kept(recompute, scores)) * ACT_BYTES[dtype] / 2
 
 
 def _mlp_share_bytes(s: int, b: int, h: int, t: int, sp: bool, recompute: str) -> float:
@@ -96,9 +116,10 @@ def moe_layer_activation_bytes(
     sp: bool = False,
     recompute: str = "none",
     dtype: str = "bf16",
+    scores: bool = True,
 ) -> float:
     """Bytes an MoE block keeps for backward per micro-batch (module docstring), balanced routing."""
-    dense = _korthikanti(s, b, h, heads, t, sp, recompute)
+    dense = _korthikanti(s, b, h, heads, t, sp, _kept(recompute, scores))
     if recompute == "full":
         return dense * ACT_BYTES[dtype] / 2  # only the block's input, as for a dense block
     routed = s * b / t * (4 * h + top_k * (2 * h + (8 if gated else 4) * ffn + 2 * h))
@@ -107,13 +128,13 @@ def moe_layer_activation_bytes(
 
 
 def mean_layer_activation_bytes(
-    shape: ModelShape, b: int, t: int, sp: bool, recompute: str, dtype: str = "bf16", cp: int = 1
+    shape: ModelShape, b: int, t: int, sp: bool, recompute: str, dtype: str = "bf16", cp: int = 1, scores: bool = True
 ) -> float:
     """Per layer and micro-batch, the mean over dense and MoE blocks. Context parallelism (`cp`)
     leaves each rank seq/cp tokens of every token-local activation, and its attention keeps only
     the local q, k, v, output and log-sum-exp: the formula at seq/cp."""
     s, h, a = shape.seq_len // cp, shape.hidden, shape.heads
-    dense = layer_activation_bytes(s, b, h, a, t, sp, recompute, dtype)
+    dense = layer_activation_bytes(s, b, h, a, t, sp, recompute, dtype, scores)
     if not shape.is_moe:
         return dense
     cfg = shape.cfg
@@ -130,6 +151,7 @@ def mean_layer_activation_bytes(
         sp,
         recompute,
         dtype,
+        scores,
     )
     return (1 - shape.moe_fraction) * dense + shape.moe_fraction * moe
 
@@ -184,13 +206,18 @@ def expert_dp(layout: Layout) -> int:
     return layout.tp * layout.cp * layout.dp // layout.ep
 
 
-def device_memory(shape: ModelShape, layout: Layout, global_batch: int, dtype: str = "bf16") -> Memory:
+def device_memory(
+    shape: ModelShape, layout: Layout, global_batch: int, dtype: str = "bf16", scores: bool = True
+) -> Memory:
+    """The worse of the first and last pipeline rank. `scores`: the attention keeps its s x s
+    probabilities for backward (an unfused kernel, cluster.attention_scores 'square'); threefold's
+    SDPA does not (Cluster.keeps_attention_scores)."""
     t, p, v, b, s = layout.tp, layout.pp, layout.vpp, layout.mbs, shape.seq_len // layout.cp
     replicas = layout.dp * layout.cp  # dense state: reduced and ZeRO-sharded over dp x cp (grid.dp_cp)
     m = layout.microbatches(global_batch)
     h, V = shape.hidden, shape.vocab
     split = shape.stage_split(p, v)
-    per_layer = mean_layer_activation_bytes(shape, b, t, layout.sp, layout.recompute, dtype, layout.cp)
+    per_layer = mean_layer_activation_bytes(shape, b, t, layout.sp, layout.recompute, dtype, layout.cp, scores)
     first_inflight, last_inflight = inflight(layout.schedule, p, m, v)
     head_inflight = float(m) if (layout.schedule == "gpipe" and p > 1) else 1.0
     region = t if layout.sp else 1
@@ -198,7 +225,7 @@ def device_memory(shape: ModelShape, layout: Layout, global_batch: int, dtype: s
     kp = ACT_BYTES[dtype]
     buffers = 0.0
     if layout.recompute == "full":
-        buffers += mean_layer_activation_bytes(shape, b, t, layout.sp, "none", dtype, layout.cp)
+        buffers += mean_layer_activation_bytes(shape, b, t, layout.sp, "none", dtype, layout.cp, scores)
     edp = expert_dp(layout)
     if layout.zero == 3 and (replicas > 1 or edp > 1):  # the gathered layer and the prefetched ones
         dense, expert = shape.state_numel(1, 0.0, t, layout.ep)

@@ -81,7 +81,7 @@ def predict(
     memory: Memory | None = None,
 ) -> Prediction:
     """Memory and step time of `layout` (assumed structurally valid: see layout.structural_reason)."""
-    memory = memory or device_memory(shape, layout, global_batch, dtype)
+    memory = memory or device_memory(shape, layout, global_batch, dtype, cluster.keeps_attention_scores)
     terms = step_terms(shape, cluster, layout, global_batch, dtype)
     times = terms.times(cluster)
     step = sum(times.values())

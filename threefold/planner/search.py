@@ -168,7 +168,7 @@ def search(
         if admit is not None and (why := admit(layout)):
             space.reject(why[0], layout.as_dict(), why[1])
             continue
-        mem = device_memory(shape, layout, global_batch, dtype)
+        mem = device_memory(shape, layout, global_batch, dtype, cluster.keeps_attention_scores)
         if mem.total > usable:
             space.reject("memory", layout.as_dict(), oom_sentence(mem, usable, cluster), score=-mem.total)
             continue
