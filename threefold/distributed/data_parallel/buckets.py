@@ -121,16 +121,19 @@ class Bucket:
             self.work = comm.reduce_scatter_into(own, full, o.group, async_op=True)
         elif not o.sharded:
             self.work = comm.all_reduce(full, o.group, async_op=True)
-        elif not self.reduced:
+        else:
             # The step's first reduction of the bucket lands in the shard itself: zero_grad left
             # it zero, and 0 + x is x, so neither a receive buffer nor a pass adding it is needed.
-            b = self.spec
-            own = o.shard_buffer()[b.shard_offset : b.shard_offset + b.shard_numel]
-            self.work = comm.reduce_scatter_into(own, full, o.group, async_op=True)
-        else:
-            self.out = torch.empty(self.spec.shard_numel, dtype=o.grad_dtype, device=o.device)
-            self.work = comm.reduce_scatter_into(self.out, full, o.group, async_op=True)
-        self.reduced = True
+            if self.reduced:
+                self.out = torch.empty(self.spec.shard_numel, dtype=o.grad_dtype, device=o.device)
+            into = self.out if self.reduced else self.own_shard()
+            self.work = comm.reduce_scatter_into(into, full, o.group, async_op=True)
+            self.reduced = True
+
+    def own_shard(self) -> torch.Tensor:
+        """ZeRO 2/3: this bucket's reduced slice in the rank's shard."""
+        b = self.spec
+        return self.owner.shard_buffer()[b.shard_offset : b.shard_offset + b.shard_numel]
 
     def finish(self) -> None:
         """Wait for the reduction; ZeRO 2/3 add the received slice to the shard and drop the
@@ -140,8 +143,7 @@ class Bucket:
         o = self.owner
         if o.sharded:
             if self.out is not None:  # a later micro-batch's reduction: added to the earlier ones
-                b = self.spec
-                o.shard_buffer()[b.shard_offset : b.shard_offset + b.shard_numel].add_(self.out)
+                self.own_shard().add_(self.out)
             self.full = self.out = None
         self.work, self.in_flight = None, False
 
@@ -204,8 +206,7 @@ class GradBuckets:
     def owned(self) -> list[torch.Tensor]:
         """Per bucket, the reduced gradient slice this rank's optimizer updates."""
         if self.sharded:  # no backward since zero_grad: a zero gradient
-            shard = self.shard_buffer()
-            return [shard[b.shard_offset : b.shard_offset + b.shard_numel] for b in self.layout.buckets]
+            return [bucket.own_shard() for bucket in self.buckets]
         return [self.flat[slice(*b.shard_range(self.shard_rank))] for b in self.layout.buckets]
 
     # --- backward ---------------------------------------------------------------------------
