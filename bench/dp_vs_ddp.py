@@ -7,6 +7,9 @@ Matchups (the same model, init, data, AdamW hyper-parameters and clipping at 1.0
   threefold zero 1  vs  DDP + ZeroRedundancyOptimizer(parameters_as_bucket_view=True)
   threefold zero 3  vs  FSDP2 fully_shard per block + root, init_device_mesh("cpu")
                                                            (goal: <= 0.8x time, <= 1.0x memory)
+  threefold zero 1  vs  DDP + AdamW, and DDP vs DDP + ZeroRedundancyOptimizer: where ZeRO 1's
+                        floor lies (DDP's all-reduce moves what ZeRO 1's reduce-scatter and
+                        all-gather move, and updates every parameter instead of half)
   threefold zero 0, reductions overlapped vs launched after backward (what overlap buys)
 Every torch peer runs as a careful user would set it up: DDP with gradient_as_bucket_view and
 the same bucket size as threefold, AdamW(fused=True) (torch's fastest AdamW on CPU, as
@@ -187,7 +190,12 @@ def _worker(args) -> dict:
     }
 
     tf1, _, _ = _threefold(cfg, grid, 1, args.bucket_mb)
-    out["zero1"] = matchup(tf1, _ddp(cfg, grid, args.bucket_mb, True))
+    zero_redundancy = _ddp(cfg, grid, args.bucket_mb, True)
+    out["zero1"] = matchup(tf1, zero_redundancy)
+    # The floor of any ZeRO 1 here: DDP's all-reduce moves the bytes of a reduce-scatter plus a
+    # parameter all-gather, and its step differs from ZeRO 1's only by the update of the other half.
+    out["zero1_ddp"] = matchup(tf1, _ddp(cfg, grid, args.bucket_mb, False))
+    out["ddp_zero1"] = matchup(_ddp(cfg, grid, args.bucket_mb, False), zero_redundancy)
 
     tf3_memory = {}
     tf3, _, _ = _threefold(cfg, grid, 3, args.bucket_mb, memory=tf3_memory)
@@ -252,6 +260,8 @@ def main(argv=None) -> dict:
     print(_row("zero 0 vs DDP", r["dp"]))
     print(_row("zero 1 vs ZeroRedundancyOptimizer", r["zero1"]))
     print(_row("zero 3 vs FSDP2 fully_shard", r["zero3"], r["zero3_memory"]))
+    print(_row("zero 1 vs DDP (unsharded: zero 1's floor)", r["zero1_ddp"]))
+    print(_row("DDP (threefold col.) vs ZeroRedundancyOptimizer (torch col.)", r["ddp_zero1"]))
     print(_row("zero 0 overlapped (threefold col.) vs reduced after backward (torch col.)", r["overlap"]))
     print(
         f"\nWith a {r['params']:,}-parameter model on gloo, per-step Python and gloo latency weigh as much as the "

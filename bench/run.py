@@ -53,8 +53,10 @@ def _dp_ratios(r: dict) -> dict[str, Interval]:
             ("dp", "zero 0 / DDP"),
             ("zero1", "zero 1 / ZeroRedundancyOptimizer"),
             ("zero3", "zero 3 / FSDP2"),
+            ("zero1_ddp", "zero 1 / DDP"),
         )
     }
+    out["DDP / ZeroRedundancyOptimizer time"] = ratio(r["ddp_zero1"], "threefold", "torch")
     out["zero 3 / FSDP2 memory"] = exact(r["zero3_memory"]["threefold"] / r["zero3_memory"]["torch"])
     for key, label in (("overlap0", "zero 0"), ("overlap2", "zero 2")):
         out[f"{label} DP communication hidden"] = hidden(r[key])
