@@ -156,6 +156,21 @@ def test_a_change_right_after_a_burst_is_still_named(seed):
     assert [(f.since, f.category, f.ranks) for f in found] == [(31, "other", (1,))], [f.text for f in found]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_change_whose_pace_rises_further_keeps_its_date(seed):
+    # Rank 1 slows 2.5x at 31; from 36 a busier host makes it 3.5x (a slowdown that scales with
+    # the rank's compute, as a drill's or a throttled device's does). The second rise re-dates the
+    # pending change, but the change began at 31: CI once read "since step 41" for a drill at 31.
+    times = [x * (1.4 if s >= 36 else 1.0) for s, x in enumerate(series(seed, at=31, factor=2.5), 1)]
+    base = {r: {"forward": 0.02, "backward": 0.03, "optimizer": 0.01} for r in (0, 1)}
+    slow = {0: {**base[0], "optimizer": 0.10}, 1: {**base[1], "other": 0.09}}
+    slower = {0: {**base[0], "optimizer": 0.15}, 1: {**base[1], "other": 0.14}}
+    views = {s: view_of(s, 5, slower if s > 35 else slow if s > 30 else base) for s in range(5, 61, 5)}
+    found = feed(ChangeDetector(interval=5), times, views)
+    assert [(f.category, f.ranks) for f in found] == [("other", (1,))], [f.text for f in found]
+    assert abs(found[0].since - 31) <= 2, found[0].text
+
+
 def test_a_step_slower_alike_everywhere_is_not_named():
     # Another job on a shared host: every category of every rank grows with the step.
     times = series(2, at=31, factor=2.0)

@@ -12,7 +12,9 @@ classic CUSUM change-time estimate, Page 1954). It is named only if the two repo
 that date both run log.change_min (relative) above the level before: a burst of another job on a
 shared host rarely lasts two windows (one of ten steps did in a clean run here). A second window
 that runs log.change_min above the first re-dates the change to its start and confirms it on the
-next (a burst the change followed at once must not stand in for it, nor a change still ramping).
+next (a burst the change followed at once must not stand in for it, nor a change still ramping),
+unless the first window's rise was a change of its own (attribute: where the time goes moved): then
+it is named from that window, and the later rise is measured from its level.
 Named or not, the new pace becomes the level. Nor is a rise named that the windows show spread over
 every rank and category in proportion to the step before (another job's load on a shared host; a
 slower clock on every device): nothing in where the time goes moved, so there is nothing to name,
@@ -338,17 +340,26 @@ class ChangeDetector:
         if pace / was - 1 >= self.change_min and self.first is None:
             self.first = (view, step)
             return []
+        upto = step  # the change's pace is measured over its steps up to here
+        before = next((v for v in reversed(self.views) if v.step < self.origin), None)
         if self.first is not None:
             held = _median(x for s, x in self.recent if since <= s <= self.first[1])
             if held > 0 and pace / held - 1 >= self.change_min:
-                # The pace moved again: the first window was a burst (or a smaller step) that a
-                # change followed at once, or the change still ramps. Date it from this window,
-                # confirm it on the next, and attribute it against the window before the alarm.
-                self.pending, self.first = self.first[1] + 1, (view, step)
-                return []
+                moved = attribute(before, self.first[0]) if before is not None and self.first[0] is not None else {}
+                if not moved.get("concentrated"):
+                    # The pace moved again after a first window that rose alike everywhere: a
+                    # burst (or a smaller step) that a change followed at once, or a change still
+                    # ramping. Date it from this window, confirm it on the next, and attribute it
+                    # against the window before the alarm.
+                    self.pending, self.first = self.first[1] + 1, (view, step)
+                    return []
+                # The first window held a change of its own (where the time goes moved): named
+                # from that window. The later rise (a busier host slowing the slow rank further)
+                # is measured from that level on, a change of its own if it lasts.
+                pace, upto, view = held, self.first[1], self.first[0]
         first_view = self.first[0] if self.first else None
         self.pending = self.first = None
-        after = _median(x for s, x in self.recent if s >= since)
+        after = _median(x for s, x in self.recent if since <= s <= upto)
         rel = after / was - 1
         # The pace now is the level from here on, named or not: it is not a change again.
         self.level.set(pace, self.level.scale * pace / was)
@@ -357,7 +368,6 @@ class ChangeDetector:
             return []
         self.dates.append(since)
         text = f"step time {rel:+.0%} since step {since:,} ({was * 1e3:.0f} -> {after * 1e3:.0f} ms)"
-        before = next((v for v in reversed(self.views) if v.step < self.origin), None)
         # Attributed from the confirming window: a change lasts into it, a burst that came just
         # before it (and so sits in the first window) rarely does.
         after_view = view if view is not None else first_view
