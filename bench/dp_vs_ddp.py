@@ -182,7 +182,8 @@ def _worker(args) -> dict:
 
     tf0, eng0, stamps0 = _threefold(cfg, grid, 0, args.bucket_mb)
     out = {"params": sum(p.numel() for p in eng0.params)}
-    out["dp"] = matchup(tf0, _ddp(cfg, grid, args.bucket_mb, False))
+    ddp = _ddp(cfg, grid, args.bucket_mb, False)
+    out["dp"] = matchup(tf0, ddp)
     out["overlap0"] = {
         "exposed": _exposed(stamps0, args.warmup, grid.dp.pg),
         "serial": eng0.time_serial_comm(),
@@ -194,8 +195,8 @@ def _worker(args) -> dict:
     out["zero1"] = matchup(tf1, zero_redundancy)
     # The floor of any ZeRO 1 here: DDP's all-reduce moves the bytes of a reduce-scatter plus a
     # parameter all-gather, and its step differs from ZeRO 1's only by the update of the other half.
-    out["zero1_ddp"] = matchup(tf1, _ddp(cfg, grid, args.bucket_mb, False))
-    out["ddp_zero1"] = matchup(_ddp(cfg, grid, args.bucket_mb, False), zero_redundancy)
+    out["zero1_ddp"] = matchup(tf1, ddp)
+    out["ddp_zero1"] = matchup(ddp, zero_redundancy)
 
     tf3_memory = {}
     tf3, _, _ = _threefold(cfg, grid, 3, args.bucket_mb, memory=tf3_memory)

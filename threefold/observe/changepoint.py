@@ -161,6 +161,11 @@ def _median(values) -> float:
     return statistics.median(values) if values else 0.0
 
 
+def _attribution(before, after) -> dict:
+    """attribute(before, after), or {} when either report view is missing."""
+    return attribute(before, after) if before is not None and after is not None else {}
+
+
 def _moved_link(rank: int, new: dict, old: dict) -> str:
     """The group or pipeline peer whose communication time grew most on `rank`, from the rows'
     `links` (observe/links.py's links_of); '' without them or when none grew."""
@@ -340,12 +345,12 @@ class ChangeDetector:
         if pace / was - 1 >= self.change_min and self.first is None:
             self.first = (view, step)
             return []
-        upto = step  # the change's pace is measured over its steps up to here
+        upto, moved = step, None  # the change's pace is measured over its steps up to `upto`
         before = next((v for v in reversed(self.views) if v.step < self.origin), None)
         if self.first is not None:
             held = _median(x for s, x in self.recent if since <= s <= self.first[1])
             if held > 0 and pace / held - 1 >= self.change_min:
-                moved = attribute(before, self.first[0]) if before is not None and self.first[0] is not None else {}
+                moved = _attribution(before, self.first[0])
                 if not moved.get("concentrated"):
                     # The pace moved again after a first window that rose alike everywhere: a
                     # burst (or a smaller step) that a change followed at once, or a change still
@@ -370,8 +375,8 @@ class ChangeDetector:
         text = f"step time {rel:+.0%} since step {since:,} ({was * 1e3:.0f} -> {after * 1e3:.0f} ms)"
         # Attributed from the confirming window: a change lasts into it, a burst that came just
         # before it (and so sits in the first window) rarely does.
-        after_view = view if view is not None else first_view
-        moved = attribute(before, after_view) if before is not None and after_view is not None else {}
+        if moved is None:  # not attributed yet: from the confirming window (or the first, without spans)
+            moved = _attribution(before, view if view is not None else first_view)
         if moved and not moved["concentrated"]:
             return []  # the same step, slower alike everywhere: nothing moved to name (see above)
         if moved:
