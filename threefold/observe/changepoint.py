@@ -13,8 +13,13 @@ that date both run log.change_min (relative) above the level before: a burst of 
 shared host rarely lasts two windows (one of ten steps did in a clean run here). A second window
 that runs log.change_min above the first re-dates the change to its start and confirms it on the
 next (a burst the change followed at once must not stand in for it, nor a change still ramping),
-unless the first window's rise was a change of its own (attribute: where the time goes moved): then
-it is named from that window, and the later rise is measured from its level.
+unless the first window's rise was a change of its own (attribute: where the time goes moved) and
+the larger of the two: then it is named from that window, and the later rise is measured from its
+level. A larger rise that re-dated a change of its own and falls back in its confirming window
+(nearer the change's pace than its own) was a burst on the slow rank: the earlier change is named.
+The date named is CUSUM's or, where the steps after it split better later (the least-squares split
+of one shift in mean) and those skipped do not rise on their own, that later step: a level learned
+in a burst dates too early.
 Named or not, the new pace becomes the level. Nor is a rise named that the windows show spread over
 every rank and category in proportion to the step before (another job's load on a shared host; a
 slower clock on every device): nothing in where the time goes moved, so there is nothing to name,
@@ -161,6 +166,27 @@ def _median(values) -> float:
     return statistics.median(values) if values else 0.0
 
 
+def _onset(recent, since: int, upto: int, was: float, least: float, lead: int) -> int:
+    """The change's first step: `since` (CUSUM's date) or a later step where the steps from
+    `lead` before `since` to `upto` split best into two means (the least-squares split of one
+    shift), provided the steps it skips do not run `least` above the level `was` themselves (a
+    rise of their own: a later burst must not move the date past it). CUSUM dates a change where
+    its sum last left zero; after a level learned in a burst that still runs a little above it,
+    that is where the burst began to ebb, before the change."""
+    steps = [(s, x) for s, x in recent if since - lead <= s <= upto]
+    best, onset = float("-inf"), since
+    for k, (t, _) in enumerate(steps):
+        if t < since or k < MIN_AFTER or len(steps) - k < MIN_AFTER:
+            continue
+        if t > since and _median(x for s, x in steps[:k] if s >= since) / was - 1 >= least:
+            break
+        left, right = [x for _, x in steps[:k]], [x for _, x in steps[k:]]
+        score = (statistics.fmean(right) - statistics.fmean(left)) * (len(left) * len(right) / len(steps)) ** 0.5
+        if score > best:
+            best, onset = score, t
+    return onset
+
+
 def _attribution(before, after) -> dict:
     """attribute(before, after), or {} when either report view is missing."""
     return attribute(before, after) if before is not None and after is not None else {}
@@ -294,6 +320,8 @@ class ChangeDetector:
         """The alarm's first date: the report window before it is the attribution's baseline."""
         """The date of a step-time alarm not confirmed yet."""
         self.first: tuple | None = None
+        self.earlier: tuple | None = None
+        """(date, pace, last step) of a change of its own re-dated by a larger rise after it."""
         """(its first window's view, the window's end) once that window held the rise."""
         self.views: deque = deque(maxlen=VIEWS)
         self.shares = {c: ShareSeries((bands or {}).get(c)) for c in CATEGORIES}
@@ -311,7 +339,7 @@ class ChangeDetector:
             return []
         alarm = self.cusum.update(step, self.level.z(x))
         if self.cusum.s == 0.0:
-            self.pending = self.first = None  # back in control before it was confirmed: a burst
+            self.pending = self.first = self.earlier = None  # back in control: a burst
         elif alarm and self.pending is None:
             self.pending = self.origin = self.cusum.zero_at + 1
         if self.pending is None and self.cusum.s <= H / 2 and self.level.z(x) < CLIP:
@@ -346,25 +374,36 @@ class ChangeDetector:
             self.first = (view, step)
             return []
         upto, moved = step, None  # the change's pace is measured over its steps up to `upto`
+        earlier = None  # or the steps of an earlier change, the confirming window's with them
         before = next((v for v in reversed(self.views) if v.step < self.origin), None)
         if self.first is not None:
             held = _median(x for s, x in self.recent if since <= s <= self.first[1])
             if held > 0 and pace / held - 1 >= self.change_min:
                 moved = _attribution(before, self.first[0])
-                if not moved.get("concentrated"):
-                    # The pace moved again after a first window that rose alike everywhere: a
-                    # burst (or a smaller step) that a change followed at once, or a change still
-                    # ramping. Date it from this window, confirm it on the next, and attribute it
-                    # against the window before the alarm.
+                if not moved.get("concentrated") or pace - held > held - was:
+                    # The pace moved again after a first window that rose alike everywhere, or
+                    # less than it rises now: a burst (or a smaller step) that a change followed
+                    # at once, or a change still ramping. Date it from this window, confirm it on
+                    # the next, and attribute it against the window before the alarm. (A burst
+                    # on one rank's core looks like that rank's own change in its window's mean.)
+                    self.earlier = (since, held, self.first[1]) if moved.get("concentrated") else None
                     self.pending, self.first = self.first[1] + 1, (view, step)
                     return []
-                # The first window held a change of its own (where the time goes moved): named
-                # from that window. The later rise (a busier host slowing the slow rank further)
-                # is measured from that level on, a change of its own if it lasts.
+                # The first window held the larger change, one of its own (where the time goes
+                # moved): named from that window. The later rise (a busier host slowing the slow
+                # rank further) is measured from that level on, a change of its own if it lasts.
                 pace, upto, view = held, self.first[1], self.first[0]
+            elif self.earlier is not None and pace - self.earlier[1] < held - pace:
+                # The rise that re-dated a change of its own has passed (the pace fell back
+                # nearer to the change's than to the rise's): a burst on the slow rank. The change
+                # is the earlier one, at its pace before and after the burst, and attributed from
+                # this window (the change without the burst).
+                since, earlier = self.earlier[0], self.earlier[2]
         first_view = self.first[0] if self.first else None
-        self.pending = self.first = None
-        after = _median(x for s, x in self.recent if since <= s <= upto)
+        self.pending = self.first = self.earlier = None
+        since = _onset(self.recent, since, upto, was, self.change_min, lead=max(MIN_AFTER, self.interval))
+        last = earlier or upto  # the change's own steps end here (the confirming window's follow)
+        after = _median(x for s, x in self.recent if since <= s <= last or (earlier and start <= s <= upto))
         rel = after / was - 1
         # The pace now is the level from here on, named or not: it is not a change again.
         self.level.set(pace, self.level.scale * pace / was)
