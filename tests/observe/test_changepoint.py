@@ -15,8 +15,9 @@ import pytest
 
 from threefold.distributed.grid import RankLayout
 from threefold.errors import ConfigError
+from threefold.observe.attribution import attribute
 from threefold.observe.bands import Band
-from threefold.observe.changepoint import ChangeDetector, Cusum, attribute, detector
+from threefold.observe.changepoint import ChangeDetector, Cusum, detector
 from threefold.observe.spans import CATEGORIES
 
 STEP_S = 0.060

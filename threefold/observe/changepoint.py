@@ -13,7 +13,7 @@ that date both run log.change_min (relative) above the level before: a burst of 
 shared host rarely lasts two windows (one of ten steps did in a clean run here). A second window
 that runs log.change_min above the first re-dates the change to its start and confirms it on the
 next (a burst the change followed at once must not stand in for it, nor a change still ramping),
-unless the first window's rise was a change of its own (attribute: where the time goes moved) and
+unless the first window's rise was a change of its own (attribution: where the time goes moved) and
 the larger of the two: then it is named from that window, and the later rise is measured from its
 level. A larger rise that re-dated a change of its own and falls back in its confirming window
 (nearer the change's pace than its own) was a burst on the slow rank: the earlier change is named.
@@ -25,13 +25,9 @@ every rank and category in proportion to the step before (another job's load on 
 slower clock on every device): nothing in where the time goes moved, so there is nothing to name,
 and on this project's shared CPU hosts it is what a clean run's noise looks like.
 
-Attribution (attribute): every rank's seconds per category in the last report window before the
-date against the window that confirmed it (the second after it: a burst just before a change sits
-in the first, the change lasts into the second). A rank whose own work (spans.OWN) grew by half the
-step's growth more than its peers' did is the cause: its own category that grew most, and the
-peers' wait ("other on rank 1 ...; its peers wait in optimizer"). Otherwise the category that grew
-most on the median rank, its group, and the rank where it grew most with, from the rows' `links`
-(observe/links.py), the group or pipeline peer whose time grew most there.
+Attribution: observe/attribution.py, the last report window before the date against the window
+that confirmed it (the second after it: a burst just before a change sits in the first, the change
+lasts into the second).
 
 Shares. Per report window each category's share of the step (mean over ranks) runs through an
 upward CUSUM of its own, its level and noise learned from the first windows past start-up or,
@@ -48,8 +44,9 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+from threefold.observe.attribution import attribution, median
 from threefold.observe.findings import Finding
-from threefold.observe.spans import CATEGORIES, OWN
+from threefold.observe.spans import CATEGORIES
 
 SKIP = 3
 """Start-up steps never learned from: step 1 compiles, the next ones still warm allocator and caches."""
@@ -84,8 +81,6 @@ SHARE_H = 5.0
 """Share CUSUM threshold in noise units (windows average several steps: less noisy than steps)."""
 VIEWS = 6
 """Report views kept for the before/after comparison."""
-WAIT_DIM = {"tp_comm": "tp", "cp_comm": "cp", "pp_p2p": "pp", "pp_bubble": "pp", "dp_exposed": "dp", "ep_a2a": "ep"}
-"""The group dimension whose communication each waiting category times."""
 
 
 class Cusum:
@@ -161,11 +156,6 @@ def _share_rows(view) -> dict[str, float]:
     return {c: v / n for c, v in out.items()} if n else {}
 
 
-def _median(values) -> float:
-    values = list(values)
-    return statistics.median(values) if values else 0.0
-
-
 def _onset(recent, since: int, upto: int, was: float, least: float, lead: int) -> int:
     """The change's first step: `since` (CUSUM's date) or a later step where the steps from
     `lead` before `since` to `upto` split best into two means (the least-squares split of one
@@ -178,93 +168,13 @@ def _onset(recent, since: int, upto: int, was: float, least: float, lead: int) -
     for k, (t, _) in enumerate(steps):
         if t < since or k < MIN_AFTER or len(steps) - k < MIN_AFTER:
             continue
-        if t > since and _median(x for s, x in steps[:k] if s >= since) / was - 1 >= least:
+        if t > since and median(x for s, x in steps[:k] if s >= since) / was - 1 >= least:
             break
         left, right = [x for _, x in steps[:k]], [x for _, x in steps[k:]]
         score = (statistics.fmean(right) - statistics.fmean(left)) * (len(left) * len(right) / len(steps)) ** 0.5
         if score > best:
             best, onset = score, t
     return onset
-
-
-def _attribution(before, after) -> dict:
-    """attribute(before, after), or {} when either report view is missing."""
-    return attribute(before, after) if before is not None and after is not None else {}
-
-
-def _moved_link(rank: int, new: dict, old: dict) -> str:
-    """The group or pipeline peer whose communication time grew most on `rank`, from the rows'
-    `links` (observe/links.py's links_of); '' without them or when none grew."""
-    a, b = new.get("links") or {}, old.get("links") or {}
-    grown = {
-        f"{g} collectives": v - b.get("collective_s", {}).get(g, 0.0) for g, v in (a.get("collective_s") or {}).items()
-    }
-    for side, (src, dst) in (("pp_prev", (a.get("pp_prev"), rank)), ("pp_next", (rank, a.get("pp_next")))):
-        if a.get(side) is not None:
-            grown[f"link pp rank {src} -> {dst}"] = a.get(f"{side}_s", 0.0) - b.get(f"{side}_s", 0.0)
-    best = max(grown, key=grown.get, default="")
-    return best if best and grown[best] > 0 else ""
-
-
-def _where(rank: int, layout) -> str:
-    """A rank with its coordinates in the dimensions the layout has ("rank 5 (tp 1, pp 1)")."""
-    if layout is None:
-        return f"rank {rank}"
-    coords = layout.coords(rank)
-    parts = [f"{d} {coords[d]}" for d in ("tp", "cp", "pp", "dp") if getattr(layout, d, 1) > 1]
-    return f"rank {rank} ({', '.join(parts)})" if parts else f"rank {rank}"
-
-
-def attribute(before, after) -> dict:
-    """What moved between two report views (observe/diagnose.py's ReportView), from every rank's
-    seconds per category per step: {"category", "rank", "text", "moved_s", "concentrated", and
-    "wait" (the peers' waiting category) or "group" (the dimension of a moved wait)}; {} when they
-    share no rank. `concentrated`: one rank's own work, or one category beyond its share of the
-    step before, took at least half the growth; False for a step that grew alike everywhere (a
-    busier host or a slower clock on every device: where the time goes did not change)."""
-    old = {row["rank"]: row for row in before.ranks}
-    pairs = [(row, old[row["rank"]]) for row in after.ranks if row["rank"] in old]
-    if not pairs:
-        return {}
-    layout = getattr(after, "layout", None)
-    delta = {
-        new["rank"]: {c: new["time_s"].get(c, 0.0) - was["time_s"].get(c, 0.0) for c in CATEGORIES}
-        for new, was in pairs
-    }
-    rows = {new["rank"]: (new, was) for new, was in pairs}
-    grown = _median(new.get("wall_s", 0.0) - was.get("wall_s", 0.0) for new, was in pairs)
-    own = {rank: sum(d[c] for c in OWN) for rank, d in delta.items()}
-    top = max(own, key=own.get)
-    peers = [d for rank, d in delta.items() if rank != top]
-    waits = [c for c in CATEGORIES if c not in OWN]
-    if grown > 0 and own[top] - _median(own[r] for r in own if r != top) >= 0.5 * grown:
-        # One rank's own work grew: it is the cause, the others only wait for it.
-        category = max(OWN, key=lambda c: delta[top][c])
-        moved = delta[top][category]
-        text = f"{category} on {_where(top, layout)} ({moved * 1e3:+.0f} ms a step)"
-        wait = max(waits, key=lambda c: _median(d[c] for d in peers)) if peers else ""
-        if wait and _median(d[wait] for d in peers) > 0.25 * grown:
-            text += f"; its peers wait in {wait}"
-        else:
-            wait = ""
-        return {"category": category, "rank": top, "text": text, "moved_s": moved, "wait": wait, "concentrated": True}
-    category = max(CATEGORIES, key=lambda c: _median(d[c] for d in delta.values()))
-    rank = max(delta, key=lambda r: delta[r][category])
-    moved = delta[rank][category]
-    share_before = _median(was["time_s"].get(category, 0.0) / (was.get("wall_s") or 1.0) for _, was in pairs)
-    took = _median(d[category] for d in delta.values()) / grown if grown > 0 else 0.0
-    # Alike everywhere, each category grows by its share of the step; a change grows one more.
-    concentrated = took - share_before >= 0.5 * (1 - share_before)
-    dim = WAIT_DIM.get(category, "")
-    text = f"{category}"
-    if dim and layout is not None and getattr(layout, dim, 1) > 1:
-        members = layout.group_of(rank, ("ep", "dp") if dim == "dp" else (dim,))
-        shown = ", ".join(map(str, members)) if len(members) <= 4 else f"{members[0]}, ... {len(members)} ranks"
-        text += f" on {dim} group [{shown}]"
-    link = _moved_link(rank, *rows[rank])
-    text += f" ({link})" if link else f" ({_where(rank, layout)}, {moved * 1e3:+.0f} ms a step)"
-    out = {"category": category, "rank": rank, "text": text, "moved_s": moved, "group": dim, "link": link}
-    return out | {"concentrated": concentrated}
 
 
 class ShareSeries:
@@ -369,7 +279,7 @@ class ChangeDetector:
         second, which names the change."""
         since, was = self.pending, self.level.level
         start = self.first[1] + 1 if self.first else since
-        pace = _median(x for s, x in self.recent if start <= s <= step)
+        pace = median(x for s, x in self.recent if start <= s <= step)
         if pace / was - 1 >= self.change_min and self.first is None:
             self.first = (view, step)
             return []
@@ -377,9 +287,9 @@ class ChangeDetector:
         earlier = None  # or the steps of an earlier change, the confirming window's with them
         before = next((v for v in reversed(self.views) if v.step < self.origin), None)
         if self.first is not None:
-            held = _median(x for s, x in self.recent if since <= s <= self.first[1])
+            held = median(x for s, x in self.recent if since <= s <= self.first[1])
             if held > 0 and pace / held - 1 >= self.change_min:
-                moved = _attribution(before, self.first[0])
+                moved = attribution(before, self.first[0])
                 if not moved.get("concentrated") or pace - held > held - was:
                     # The pace moved again after a first window that rose alike everywhere, or
                     # less than it rises now: a burst (or a smaller step) that a change followed
@@ -403,7 +313,7 @@ class ChangeDetector:
         self.pending = self.first = self.earlier = None
         since = _onset(self.recent, since, upto, was, self.change_min, lead=max(MIN_AFTER, self.interval))
         last = earlier or upto  # the change's own steps end here (the confirming window's follow)
-        after = _median(x for s, x in self.recent if since <= s <= last or (earlier and start <= s <= upto))
+        after = median(x for s, x in self.recent if since <= s <= last or (earlier and start <= s <= upto))
         rel = after / was - 1
         # The pace now is the level from here on, named or not: it is not a change again.
         self.level.set(pace, self.level.scale * pace / was)
@@ -415,7 +325,7 @@ class ChangeDetector:
         # Attributed from the confirming window: a change lasts into it, a burst that came just
         # before it (and so sits in the first window) rarely does.
         if moved is None:  # not attributed yet: from the confirming window (or the first, without spans)
-            moved = _attribution(before, view if view is not None else first_view)
+            moved = attribution(before, view if view is not None else first_view)
         if moved and not moved["concentrated"]:
             return []  # the same step, slower alike everywhere: nothing moved to name (see above)
         if moved:
