@@ -311,15 +311,15 @@ class ChangeDetector:
                 since, earlier = self.earlier[0], self.earlier[2]
         first_view = self.first[0] if self.first else None
         self.pending = self.first = self.earlier = None
-        since = _onset(self.recent, since, upto, was, self.change_min, lead=max(MIN_AFTER, self.interval))
-        last = earlier or upto  # the change's own steps end here (the confirming window's follow)
-        after = median(x for s, x in self.recent if since <= s <= last or (earlier and start <= s <= upto))
-        rel = after / was - 1
         # The pace now is the level from here on, named or not: it is not a change again.
         self.level.set(pace, self.level.scale * pace / was)
         self.cusum.reset(step)
         if pace / was - 1 < self.change_min:
             return []
+        since = _onset(self.recent, since, upto, was, self.change_min, lead=max(MIN_AFTER, self.interval))
+        last = earlier or upto  # the change's own steps end here (the confirming window's follow)
+        after = median(x for s, x in self.recent if since <= s <= last or (earlier and start <= s <= upto))
+        rel = after / was - 1
         self.dates.append(since)
         text = f"step time {rel:+.0%} since step {since:,} ({was * 1e3:.0f} -> {after * 1e3:.0f} ms)"
         # Attributed from the confirming window: a change lasts into it, a burst that came just
