@@ -323,7 +323,9 @@ class StepObserver:
             fields["cp_comm_serial_s"] = float(cp_serial.max())
             fields["cp_hidden"] = {"mean": float(hidden.mean()), "min": float(hidden.min())}
             if float(cp_own.min()) >= 0:  # the same without the waits for a slower peer
-                own = (1 - cp_own / cp_serial).clamp(0.0, 1.0)
+                # A part of the exposed wait, read on the waits' own clocks: a preempted read
+                # there must not make the part exceed the whole the spans measured.
+                own = (1 - torch.minimum(cp_own, cp_exposed) / cp_serial).clamp(0.0, 1.0)
                 fields["cp_hidden_own"] = {"mean": float(own.mean()), "min": float(own.min())}
         if self.bands is not None:
             self._check_bands(fields, ranks, steps)
