@@ -15,20 +15,10 @@ from pathlib import Path
 
 from threefold.config import Config
 from threefold.planner.layout import Layout
+from threefold.planner.model import MOE_KEYS, SHAPE_KEYS
 
 _ALWAYS = {
-    "model": (
-        "preset",
-        "arch",
-        "hidden",
-        "layers",
-        "heads",
-        "kv_heads",
-        "ffn_hidden",
-        "vocab",
-        "seq_len",
-        "tie_embeddings",
-    ),
+    "model": SHAPE_KEYS,
     "parallel": (
         "dp",
         "tp",
@@ -46,8 +36,6 @@ _ALWAYS = {
     ),
     "train": ("global_batch", "micro_batch", "recompute", "dtype", "device"),
 }
-# The mixture-of-experts shape, written whenever the model has experts.
-_MOE = ("num_experts", "top_k", "moe_every", "shared_expert", "capacity_factor")
 
 
 def toml_value(value) -> str:
@@ -93,7 +81,7 @@ def config_toml(cfg: Config, header: str = "") -> str:
         body = []
         for f in dataclasses.fields(current):
             value = getattr(current, f.name)
-            moe = name == "model" and cfg.model.num_experts and f.name in _MOE
+            moe = name == "model" and cfg.model.num_experts and f.name in MOE_KEYS
             if f.name in _ALWAYS.get(name, ()) or moe or value != getattr(default, f.name):
                 body.append(f"{f.name} = {toml_value(value)}")
         if body:

@@ -53,6 +53,23 @@ def split_layers(layers: int, p: int, v: int, layer_cost: float, head_cost: floa
     return StageSplit(first_layers=v * other, last_layers=(v - 1) * other + k, other_stage_layers=other)
 
 
+SHAPE_KEYS = (
+    "preset",
+    "arch",
+    "hidden",
+    "layers",
+    "heads",
+    "kv_heads",
+    "ffn_hidden",
+    "vocab",
+    "seq_len",
+    "tie_embeddings",
+)
+"""The [model] keys that fix a model's shape: what a plan writes and reports of the model."""
+MOE_KEYS = ("num_experts", "top_k", "moe_every", "shared_expert", "capacity_factor")
+"""The mixture-of-experts shape, written whenever the model has experts."""
+
+
 @dataclass
 class ModelShape:
     """Per-layer and per-model numbers of one model config (duck-typed like model.flops)."""

@@ -8,7 +8,7 @@ from threefold.config import ModelConfig
 from threefold.model.flops import active_params
 from threefold.planner.cluster import Cluster, GiB
 from threefold.planner.faults import FaultAdvice
-from threefold.planner.model import ModelShape
+from threefold.planner.model import SHAPE_KEYS, ModelShape
 from threefold.planner.overlap import overlap_lines
 from threefold.planner.predict import Prediction
 from threefold.planner.search import KIND_TITLES, Plan
@@ -230,19 +230,7 @@ def plan_json(plan: Plan, top: int, advice: FaultAdvice | None, emitted: str | N
 
 def _model_dict(shape: ModelShape) -> dict:
     cfg = shape.cfg
-    keys = (
-        "preset",
-        "arch",
-        "hidden",
-        "layers",
-        "heads",
-        "kv_heads",
-        "ffn_hidden",
-        "vocab",
-        "seq_len",
-        "tie_embeddings",
-    )
-    out = {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
+    out = {k: getattr(cfg, k) for k in SHAPE_KEYS if hasattr(cfg, k)}
     out.update(params=shape.total_params, model_flops_per_token=shape.model_flops_per_token)
     if shape.is_moe:
         out.update(
