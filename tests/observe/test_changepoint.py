@@ -188,6 +188,24 @@ def test_a_burst_on_the_slow_rank_after_its_change_leaves_the_date(seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_a_change_after_a_burst_that_became_the_level_is_named_against_the_pace_before(seed):
+    # Another job slows every rank alike from step 15 to 25 (1.8x: not named, and its pace becomes
+    # the level); from 26 the run is back at its pace, and at 31 rank 1 slows 2.5x. The fall back
+    # is the level too: a bursty host once had the drill at 31 named only at step 50, as "+44%"
+    # against a level still 80% above the run's pace.
+    times = [x * (1.8 if 15 <= s <= 25 else 1.0) for s, x in enumerate(series(seed, at=31, factor=2.5), 1)]
+    base = {r: {"forward": 0.02, "backward": 0.03, "optimizer": 0.01} for r in (0, 1)}
+    busy = {r: {c: 1.8 * v for c, v in base[r].items()} for r in (0, 1)}
+    slow = {0: {**base[0], "optimizer": 0.09}, 1: {**base[1], "other": 0.09}}
+    views = {s: view_of(s, 5, slow if s > 30 else busy if 15 <= s <= 25 else base) for s in range(5, 61, 5)}
+    found = feed(ChangeDetector(interval=5), times, views)
+    assert [(f.category, f.ranks) for f in found] == [("other", (1,))], [f.text for f in found]
+    f = found[0]
+    assert abs(f.since - 31) <= 2 and 1.2 < f.value < 1.8 and abs(f.baseline - STEP_S) < 0.15 * STEP_S, f.text
+    assert f.step <= 40, (f.step, f.text)  # the two windows after the change: 31-35 and 36-40
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_a_change_whose_pace_rises_further_keeps_its_date(seed):
     # Rank 1 slows 2.5x at 31; from 36 a busier host makes it 3.5x (a slowdown that scales with
     # the rank's compute, as a drill's or a throttled device's does). The second rise re-dates the

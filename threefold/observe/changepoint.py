@@ -20,7 +20,9 @@ level. A larger rise that re-dated a change of its own and falls back in its con
 The date named is CUSUM's or, where the steps after it split better later (the least-squares split
 of one shift in mean) and those skipped do not rise on their own, that later step: a level learned
 in a burst dates too early.
-Named or not, the new pace becomes the level. Nor is a rise named that the windows show spread over
+Named or not, the new pace becomes the level. So does a pace that fell and stays down (a downward
+CUSUM of the same deviations): a burst that became the level has passed, and a change after it is
+measured against the run's pace, not the burst's. Nor is a rise named that the windows show spread over
 every rank and category in proportion to the step before (another job's load on a shared host; a
 slower clock on every device): nothing in where the time goes moved, so there is nothing to name,
 and on this project's shared CPU hosts it is what a clean run's noise looks like.
@@ -224,6 +226,8 @@ class ChangeDetector:
         self.change_min, self.spans, self.interval = change_min, spans, interval
         self.level = Level(WARMUP, SCALE_FLOOR, relative=True)
         self.cusum = Cusum()
+        self.fall = Cusum()
+        """A downward CUSUM of the same deviations: a pace that fell and stays down is the level."""
         self.recent: deque[tuple[int, float]] = deque(maxlen=KEEP)  # (step, seconds)
         self.pending: int | None = None
         self.origin = 0
@@ -246,12 +250,25 @@ class ChangeDetector:
         if not self.level.ready:
             self.level.learn(x)
             self.cusum.reset(step)
+            self.fall.reset(step)
             return []
         alarm = self.cusum.update(step, self.level.z(x))
+        fell = self.fall.update(step, -self.level.z(x))
         if self.cusum.s == 0.0:
             self.pending = self.first = self.earlier = None  # back in control: a burst
         elif alarm and self.pending is None:
             self.pending = self.origin = self.cusum.zero_at + 1
+        if fell and self.pending is None:
+            # The pace fell and stays down: a burst that became the level (another job's load,
+            # spread alike over every rank) has passed, or the run sped up. The steps since the
+            # fall are the level at once; following it at ALPHA would take some 20 steps, and a
+            # change in them would be measured, and confirmed late, against the burst's pace.
+            start = self.fall.zero_at + 1
+            pace = median(v for s, v in self.recent if s >= start)
+            self.level.set(pace, self.level.scale * pace / self.level.level)
+            self.fall.reset(step)
+            self.cusum.reset(step)
+            return []
         if self.pending is None and self.cusum.s <= H / 2 and self.level.z(x) < CLIP:
             self.level.follow(x)  # not while a change may be under way, nor from a slow outlier
         if not self.spans and self.pending is not None and self._window_done(step, self.interval):
@@ -314,6 +331,7 @@ class ChangeDetector:
         # The pace now is the level from here on, named or not: it is not a change again.
         self.level.set(pace, self.level.scale * pace / was)
         self.cusum.reset(step)
+        self.fall.reset(step)
         if pace / was - 1 < self.change_min:
             return []
         since = _onset(self.recent, since, upto, was, self.change_min, lead=max(MIN_AFTER, self.interval))
