@@ -263,17 +263,20 @@ class ChangeDetector:
             # spread alike over every rank) has passed, or the run sped up. The steps since the
             # fall are the level at once; following it at ALPHA would take some 20 steps, and a
             # change in them would be measured, and confirmed late, against the burst's pace.
-            start = self.fall.zero_at + 1
-            pace = median(v for s, v in self.recent if s >= start)
-            self.level.set(pace, self.level.scale * pace / self.level.level)
-            self.fall.reset(step)
-            self.cusum.reset(step)
+            self._adopt(median(v for s, v in self.recent if s > self.fall.zero_at), step)
             return []
         if self.pending is None and self.cusum.s <= H / 2 and self.level.z(x) < CLIP:
             self.level.follow(x)  # not while a change may be under way, nor from a slow outlier
         if not self.spans and self.pending is not None and self._window_done(step, self.interval):
             return self._confirm(step, None)  # without spans no report view comes: confirm here
         return []
+
+    def _adopt(self, pace: float, step: int) -> None:
+        """`pace` is the level from `step` on (its noise scaled alike: noise is relative), and
+        both CUSUMs start again from zero."""
+        self.level.set(pace, self.level.scale * pace / self.level.level)
+        self.cusum.reset(step)
+        self.fall.reset(step)
 
     def _window_done(self, step: int, steps: int) -> bool:
         """Whether the window ending at `step` lies after the pending date (its first or second)."""
@@ -328,10 +331,7 @@ class ChangeDetector:
                 since, earlier = self.earlier[0], self.earlier[2]
         first_view = self.first[0] if self.first else None
         self.pending = self.first = self.earlier = None
-        # The pace now is the level from here on, named or not: it is not a change again.
-        self.level.set(pace, self.level.scale * pace / was)
-        self.cusum.reset(step)
-        self.fall.reset(step)
+        self._adopt(pace, step)  # named or not: it is not a change again
         if pace / was - 1 < self.change_min:
             return []
         since = _onset(self.recent, since, upto, was, self.change_min, lead=max(MIN_AFTER, self.interval))
